@@ -1,0 +1,100 @@
+"""Sandbox pool latency/throughput vs a fresh `python -c` process.
+
+Usage: python benchmarks/bench_sandbox.py [--calls 200] [--fresh-calls 20] [--workers N]
+
+Reports, for print(1+1) and a small numpy snippet: median and p99 wall latency per call through
+the pool (sequential calls; for print(1+1) this is all overhead) and the overhead beyond the
+snippet's own run time (host latency - execution time measured in the sandbox), next to a fresh
+unsandboxed `python -c` subprocess of the same code; then throughput with every worker busy.
+Goal: median pool overhead <= 15 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+from jaxrl_tools.tools import SandboxConfig, SandboxPool
+
+SNIPPETS = {
+    "print(1+1)": "print(1+1)",
+    "numpy": "import numpy as np\na = np.arange(10000.0).reshape(100, 100)\n"
+             "print(float((a @ a.T).trace()))",
+}
+
+
+def pct(xs, q):
+    return float(np.percentile(np.asarray(xs) * 1e3, q))
+
+
+def bench_pool(pool: SandboxPool, code: str, n: int) -> dict:
+    lat, over = [], []
+
+    async def go():
+        for _ in range(n):
+            r = await pool.run(code)
+            assert r.ok, r
+            lat.append(r.latency_s)
+            over.append(r.latency_s - r.execution_time)
+
+    asyncio.run(go())
+    return {"median_ms": pct(lat, 50), "p99_ms": pct(lat, 99),
+            "overhead_median_ms": pct(over, 50), "overhead_p99_ms": pct(over, 99)}
+
+
+def bench_fresh(code: str, n: int) -> dict:
+    lat = []
+    for _ in range(n):
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+        lat.append(time.monotonic() - t0)
+    return {"median_ms": pct(lat, 50), "p99_ms": pct(lat, 99)}
+
+
+def bench_throughput(pool: SandboxPool, code: str, n: int) -> float:
+    async def go():
+        t0 = time.monotonic()
+        res = await asyncio.gather(*(pool.run(code) for _ in range(n)))
+        assert all(r.ok for r in res)
+        return n / (time.monotonic() - t0)
+
+    return asyncio.run(go())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--fresh-calls", type=int, default=20)
+    ap.add_argument("--workers", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    pool = SandboxPool(args.workers, SandboxConfig(timeout_s=10.0))
+    report = {"workers": args.workers, "cpus": os.cpu_count(),
+              "pool_start_s": time.monotonic() - t0}
+    try:
+        for name, code in SNIPPETS.items():
+            pool.run_sync(code)  # warm-up
+            report[name] = {"pool": bench_pool(pool, code, args.calls),
+                            "fresh_python_c": bench_fresh(code, args.fresh_calls),
+                            "throughput_per_s": bench_throughput(pool, code, args.calls)}
+        report["pool_metrics"] = pool.metrics()
+    finally:
+        pool.close()
+    print(json.dumps(report, indent=2))
+    for name in SNIPPETS:
+        r = report[name]
+        print(f"{name:>11}: pool median {r['pool']['median_ms']:.1f} ms (p99 "
+              f"{r['pool']['p99_ms']:.1f}), overhead median {r['pool']['overhead_median_ms']:.1f}"
+              f" ms (p99 {r['pool']['overhead_p99_ms']:.1f}); fresh python -c median "
+              f"{r['fresh_python_c']['median_ms']:.1f} ms (p99 {r['fresh_python_c']['p99_ms']:.1f})"
+              f"; throughput {r['throughput_per_s']:.0f}/s on {args.workers} workers")
+
+
+if __name__ == "__main__":
+    main()

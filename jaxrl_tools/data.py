@@ -1,0 +1,374 @@
+"""Prompt data: jsonl / parquet records -> a grain pipeline with resumable iterator state.
+
+A record holds a prompt (a string or a list of chat messages), a ground truth and optionally
+its tool set:
+
+    {"prompt": "What is 4821 * 397?", "ground_truth": "1913937", "tools": ["python"]}
+
+    source = RecordSource(["train.jsonl"], skip_bad_lines=True)
+    loader = PromptLoader(source, batch_size=8, seed=0)
+    batch = next(loader)                       # a list of 8 normalised records
+    state = loader.get_state()                 # save with the checkpoint ...
+    loader.set_state(state)                    # ... and a resumed run sees the same data
+    text = render_prompt(tokenizer, batch[0], tools_schema, system_prompt)
+
+Bad input (a bad JSON line, a missing field) is a `DataError` naming the file and line, or,
+with `skip_bad_lines=True`, a logged warning; the count is `source.num_skipped`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grain
+
+logger = logging.getLogger(__name__)
+
+_MAX_LOGGED = 20  # bad lines logged one by one; the rest only counted
+
+
+class DataError(ValueError):
+    """Malformed input data; the message names the file and line (or row)."""
+
+
+@dataclass(frozen=True)
+class SkippedLine:
+    file: str
+    line: int  # 1-based line (jsonl) or row (parquet)
+    reason: str
+
+
+def _check_messages(msgs: Any) -> str | None:
+    if not isinstance(msgs, list) or not msgs:
+        return "must be a non-empty string or a non-empty list of chat messages"
+    for i, m in enumerate(msgs):
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            return f"message {i} must be a mapping with 'role' and 'content'"
+        if m["role"] not in ("system", "user", "assistant", "tool"):
+            return f"message {i} has unknown role {m['role']!r}"
+    return None
+
+
+@dataclass
+class RecordSource:
+    """A random-access source (grain-compatible: `__len__`, `__getitem__`) of prompt records.
+
+    All files are read and validated up front so that bad lines are found (and skipped) before
+    shuffling, and a given index always names the same record.
+
+    Args:
+      files: .jsonl / .json (one object per line) or .parquet files, read in order.
+      prompt_key, answer_key, tools_key: field names in the files.
+      skip_bad_lines: skip (and log and count) bad lines instead of raising `DataError`.
+      require_answer: a record without `answer_key` is bad.
+
+    Each item is a dict: prompt, ground_truth, tools (list or None), source ("file:line"),
+    index, meta (the record's other fields).
+    """
+
+    files: Sequence[str | os.PathLike]
+    prompt_key: str = "prompt"
+    answer_key: str = "ground_truth"
+    tools_key: str = "tools"
+    skip_bad_lines: bool = False
+    require_answer: bool = True
+    records: list[dict] = field(init=False, repr=False)
+    skipped: list[SkippedLine] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if isinstance(self.files, str | os.PathLike):
+            self.files = [self.files]
+        if not self.files:
+            raise DataError("RecordSource: no files given")
+        self.records, self.skipped = [], []
+        for f in self.files:
+            self._read_file(Path(f))
+        if self.skipped:
+            logger.warning(
+                "skipped %d bad line(s) in %s", len(self.skipped), [str(f) for f in self.files]
+            )
+        if not self.records:
+            raise DataError(f"no valid records in {[str(f) for f in self.files]}")
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.records[index]
+
+    def _read_file(self, path: Path) -> None:
+        if not path.is_file():
+            raise DataError(f"data file not found: {path}")
+        suffix = path.suffix.lower()
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                rows = pq.read_table(path).to_pylist()
+            except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds
+                raise DataError(f"{path}: cannot read parquet: {e}") from e
+            for i, row in enumerate(rows, start=1):
+                self._add(path, i, row, raw_error=None)
+        elif suffix in (".jsonl", ".json", ".ndjson"):
+            with path.open("r", encoding="utf-8") as fh:
+                for i, line in enumerate(fh, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row, err = json.loads(line), None
+                    except json.JSONDecodeError as e:
+                        row, err = None, f"bad JSON ({e.msg} at column {e.colno})"
+                    self._add(path, i, row, raw_error=err)
+        else:
+            raise DataError(f"{path}: unsupported data file type {suffix!r} (jsonl or parquet)")
+
+    def _add(self, path: Path, line: int, row: Any, raw_error: str | None) -> None:
+        err = raw_error or self._validate(row)
+        if err is not None:
+            where = f"{path}:{line}"
+            if not self.skip_bad_lines:
+                raise DataError(f"{where}: {err}")
+            if len(self.skipped) < _MAX_LOGGED:
+                logger.warning("skipping %s: %s", where, err)
+            self.skipped.append(SkippedLine(str(path), line, err))
+            return
+        meta = {
+            k: v
+            for k, v in row.items()
+            if k not in (self.prompt_key, self.answer_key, self.tools_key)
+        }
+        self.records.append(
+            {
+                "prompt": row[self.prompt_key],
+                "ground_truth": row.get(self.answer_key),
+                "tools": row.get(self.tools_key),
+                "source": f"{path}:{line}",
+                "index": len(self.records),
+                "meta": meta,
+            }
+        )
+
+    def _validate(self, row: Any) -> str | None:
+        if not isinstance(row, Mapping):
+            return f"expected a JSON object, got {type(row).__name__}"
+        if self.prompt_key not in row or row[self.prompt_key] is None:
+            return f"missing field {self.prompt_key!r} (fields: {sorted(row)})"
+        prompt = row[self.prompt_key]
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                return f"field {self.prompt_key!r} is empty"
+        else:
+            msg = _check_messages(prompt)
+            if msg is not None:
+                return f"field {self.prompt_key!r} {msg}"
+        if self.require_answer and (self.answer_key not in row or row[self.answer_key] is None):
+            return f"missing field {self.answer_key!r} (fields: {sorted(row)})"
+        tools = row.get(self.tools_key)
+        if tools is not None and not isinstance(tools, list):
+            return f"field {self.tools_key!r} must be a list, got {type(tools).__name__}"
+        return None
+
+
+def make_dataset(
+    source: Sequence[Any],
+    *,
+    batch_size: int,
+    seed: int = 0,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+    drop_remainder: bool = True,
+) -> grain.MapDataset:
+    """source -> shuffle(seed) -> repeat(num_epochs; reshuffled each epoch) -> batch (lists).
+
+    Args:
+      source: a random-access source (e.g. `RecordSource`).
+      batch_size: records per batch.
+      seed: shuffle seed.
+      shuffle: shuffle (False: file order).
+      num_epochs: passes over the data; None repeats forever.
+      drop_remainder: drop a last incomplete batch (only matters with finite epochs).
+
+    Returns:
+      A grain MapDataset whose elements are lists of `batch_size` records.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    ds = grain.MapDataset.source(source)
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    ds = ds.repeat(num_epochs)
+    return ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=list)
+
+
+class PromptLoader:
+    """An iterator of record batches with saveable state (grain DatasetIterator state).
+
+    Args:
+      source: a random-access source.
+      batch_size, seed, shuffle, num_epochs, drop_remainder: see `make_dataset`.
+      num_threads: grain read threads (0: read in the calling thread; records are in memory
+        already, and threads would compete with the trainer for CPU).
+    """
+
+    def __init__(
+        self,
+        source: Sequence[Any],
+        *,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_epochs: int | None = None,
+        drop_remainder: bool = True,
+        num_threads: int = 0,
+    ):
+        self.source = source
+        self.batch_size = batch_size
+        self.dataset = make_dataset(
+            source,
+            batch_size=batch_size,
+            seed=seed,
+            shuffle=shuffle,
+            num_epochs=num_epochs,
+            drop_remainder=drop_remainder,
+        )
+        read = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=num_threads * 4)
+        self._it = iter(self.dataset.to_iter_dataset(read))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[dict]:
+        return next(self._it)
+
+    def get_state(self) -> dict:
+        """JSON-serialisable position (save it with the checkpoint)."""
+        return dict(self._it.get_state())
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        """Continue from a state returned by `get_state` (of a loader built the same way)."""
+        self._it.set_state(dict(state))
+
+
+def loader_from_config(data_cfg, split: str = "train", **overrides) -> PromptLoader:
+    """A PromptLoader from a `config.DataSection` (split "train": shuffled, repeated;
+    "eval": file order, one pass, the last partial batch kept)."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    files = data_cfg.train_files if split == "train" else data_cfg.eval_files
+    source = RecordSource(
+        list(files),
+        prompt_key=data_cfg.prompt_key,
+        answer_key=data_cfg.answer_key,
+        tools_key=data_cfg.tools_key,
+        skip_bad_lines=data_cfg.skip_bad_lines,
+    )
+    if split == "train":
+        kw = dict(
+            batch_size=data_cfg.batch_size,
+            seed=data_cfg.shuffle_seed,
+            num_epochs=data_cfg.num_epochs,
+        )
+    else:
+        kw = dict(
+            batch_size=data_cfg.eval_batch_size, shuffle=False, num_epochs=1, drop_remainder=False
+        )
+    kw.update(overrides)
+    return PromptLoader(source, **kw)
+
+
+def _schema_name(schema: Mapping) -> str | None:
+    fn = schema.get("function", schema)
+    return fn.get("name") if isinstance(fn, Mapping) else None
+
+
+def select_tools(record_tools: Any, tools_schema: Any) -> list[dict] | None:
+    """The tool declarations for one record.
+
+    Args:
+      record_tools: the record's `tools` (None, a list of tool names, or a list of schemas).
+      tools_schema: all available declarations (a list of JSON schemas, or a name -> schema
+        mapping), or None.
+
+    Returns:
+      The schemas to render (None = no tools). A record that names tools gets those (an unknown
+      name is a DataError); a record with its own schemas uses them; a record without `tools`
+      gets all of `tools_schema`.
+    """
+    if isinstance(tools_schema, Mapping):
+        by_name = dict(tools_schema)
+    else:
+        by_name = {_schema_name(s): s for s in (tools_schema or [])}
+    if record_tools is None:
+        return list(by_name.values()) or None
+    out = []
+    for t in record_tools:
+        if isinstance(t, Mapping):
+            out.append(dict(t))
+        elif t in by_name:
+            out.append(by_name[t])
+        else:
+            raise DataError(f"record names unknown tool {t!r}; declared tools: {sorted(by_name)}")
+    return out or None
+
+
+def prompt_messages(record: Mapping[str, Any], system_prompt: str | None = None) -> list[dict]:
+    """The record's prompt as chat messages, with `system_prompt` first unless it has one."""
+    prompt = record["prompt"]
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and (not msgs or msgs[0].get("role") != "system"):
+        msgs = [{"role": "system", "content": system_prompt}] + msgs
+    return msgs
+
+
+def render_prompt(
+    tokenizer,
+    record: Mapping[str, Any],
+    tools_schema: Any = None,
+    system_prompt: str | None = None,
+) -> str:
+    """Apply the tokenizer's chat template to a record's prompt, with its tool declarations,
+    ending with the assistant generation prompt.
+
+    Args:
+      tokenizer: an HF tokenizer with a chat template.
+      record: a record from `RecordSource` (or any mapping with "prompt" and optional "tools").
+      tools_schema: available tool declarations (see `select_tools`); None = no tools.
+      system_prompt: optional system message (the record's own system message wins).
+
+    Returns:
+      The prompt text (tokenize with add_special_tokens=False).
+    """
+    tools = select_tools(record.get("tools"), tools_schema) if tools_schema is not None else None
+    if tools_schema is None and record.get("tools"):
+        # A record may carry full schemas itself.
+        if all(isinstance(t, Mapping) for t in record["tools"]):
+            tools = [dict(t) for t in record["tools"]]
+    return tokenizer.apply_chat_template(
+        prompt_messages(record, system_prompt),
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+
+
+__all__ = [
+    "DataError",
+    "SkippedLine",
+    "RecordSource",
+    "make_dataset",
+    "PromptLoader",
+    "loader_from_config",
+    "select_tools",
+    "prompt_messages",
+    "render_prompt",
+]

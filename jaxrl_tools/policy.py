@@ -1,0 +1,84 @@
+"""The policy and critic as functions of packed sequences.
+
+A packed batch holds prompt + response tokens per row, right-padded: `tokens_BT`, `positions_BT`
+(0, 1, 2, ... on real tokens) and `attention_BT` (1 on real tokens). Per-token quantities are
+aligned to the token they score: `logp_BT[b, t] = log pi(tokens[b, t] | tokens[b, <t])`, so the
+first column is always 0 and `loss_mask_BT` marks the same positions as the rollout's mask.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_tools import models
+from jaxrl_tools.algorithms import chunked_token_logprobs_and_entropy
+
+
+def _shift_right(x_BT: jax.Array) -> jax.Array:
+    return jnp.pad(x_BT[:, :-1], ((0, 0), (1, 0)))
+
+
+def token_logprobs(
+    model_cfg: models.ModelConfig,
+    params,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    attention_BT: jax.Array,
+    loss_mask_BT: jax.Array,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+) -> tuple[jax.Array, jax.Array]:
+    """Log-probs and entropies of each token under the policy, aligned to the tokens.
+
+    The logits are divided by `temperature`, as the sampler did (so PPO ratios compare like with
+    like). Works in chunks over the sequence: no [B, T, V] float32 array is materialised.
+
+    Returns:
+      (logp_BT, entropy_BT), float32, 0 where `loss_mask_BT` is 0 and at t = 0.
+    """
+    h_BTD = models.hidden_states(
+        model_cfg, params, tokens_BT, attention_mask=attention_BT, positions=positions_BT
+    )
+    logp, ent = chunked_token_logprobs_and_entropy(
+        h_BTD[:, :-1],
+        models.unembed(model_cfg, params),
+        tokens_BT[:, 1:],
+        loss_mask_BT[:, 1:],
+        chunk_size=chunk_size,
+        temperature=temperature,
+    )
+    pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
+    return pad(logp), pad(ent)
+
+
+def init_value_head(model_cfg: models.ModelConfig, params, rng: jax.Array) -> dict:
+    """A critic: a copy of the policy trunk and a zero-initialised scalar head."""
+    dtype = params["embed"]["embedding"].dtype
+    del rng  # a zero head starts every value at 0, as verl's critic warm-up assumes nothing
+    return {
+        "trunk": jax.tree.map(jnp.array, params),
+        "value_head": {
+            "kernel": jnp.zeros((model_cfg.hidden_size,), dtype),
+            "bias": jnp.zeros((), dtype),
+        },
+    }
+
+
+def token_values(
+    model_cfg: models.ModelConfig,
+    critic_params,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    attention_BT: jax.Array,
+) -> jax.Array:
+    """V_t, the value of the state in which token t is chosen, aligned to the tokens (float32)."""
+    h_BTD = models.hidden_states(
+        model_cfg,
+        critic_params["trunk"],
+        tokens_BT,
+        attention_mask=attention_BT,
+        positions=positions_BT,
+    )
+    head = critic_params["value_head"]
+    v_BT = jnp.einsum("btd,d->bt", h_BTD.astype(jnp.float32), head["kernel"].astype(jnp.float32))
+    return _shift_right(v_BT + head["bias"].astype(jnp.float32))

@@ -1,0 +1,437 @@
+"""The RL trainer: rollout -> rewards -> filters -> advantages -> jitted, sharded updates.
+
+One RL step:
+  1. a batch of prompt records, each sampled G times by the rollout (engine + tools);
+  2. host rewards per trajectory (a CompositeReward), group filters (DAPO / StarPO-S / ZeroTIR);
+  3. trajectories packed into fixed-shape arrays (rows and lengths bucketed: few compiles);
+  4. old log-probs recomputed by the training forward, reference log-probs (when KL is on),
+     critic values (PPO / VAPO);
+  5. advantages by the configured estimator;
+  6. `ppo_epochs` x `num_mini_batches` actor (and critic) updates, each accumulating gradients
+     over micro-batches exactly (`train_state.make_update`);
+  7. the new params go to the engine (the same arrays: no copy), metrics, checkpoint.
+"""
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_tools import algorithms, models, policy
+from jaxrl_tools.config import RunConfig
+from jaxrl_tools.rewards import CompositeReward, TrajectoryInfo
+from jaxrl_tools.train_state import create_train_state, make_optimizer, make_update
+
+log = logging.getLogger(__name__)
+
+# A rollout: (records, group_size, params) -> trajectories, G consecutive ones per record.
+RolloutFn = Callable[[Sequence[dict], int, Any], Sequence[Any]]
+
+
+def _bucket(n: int, multiple: int) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def pack_trajectories(
+    trajectories: Sequence[Any], *, pad_id: int, rows: int, length_multiple: int = 64
+) -> dict[str, np.ndarray]:
+    """Packs trajectories into right-padded [rows, T] arrays aligned to tokens.
+
+    Each trajectory gives `prompt_ids`, `response_ids`, `loss_mask` and `logprobs` (the last two
+    over the response). Rows beyond the trajectories are all padding (mask 0): they change no
+    sum and no denominator. T is rounded up to `length_multiple`.
+    """
+    if len(trajectories) > rows:
+        raise ValueError(f"{len(trajectories)} trajectories do not fit in {rows} rows")
+    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+    T = _bucket(max(lengths, default=1), length_multiple)
+    out = {
+        "tokens": np.full((rows, T), pad_id, np.int32),
+        "positions": np.zeros((rows, T), np.int32),
+        "attention": np.zeros((rows, T), np.int32),
+        "loss_mask": np.zeros((rows, T), np.float32),
+        "behaviour_logp": np.zeros((rows, T), np.float32),
+    }
+    for i, traj in enumerate(trajectories):
+        p, r = len(traj.prompt_ids), len(traj.response_ids)
+        out["tokens"][i, : p + r] = np.concatenate([traj.prompt_ids, traj.response_ids])
+        out["positions"][i, : p + r] = np.arange(p + r)
+        out["attention"][i, : p + r] = 1
+        out["loss_mask"][i, p : p + r] = traj.loss_mask
+        out["behaviour_logp"][i, p : p + r] = np.asarray(traj.logprobs) * np.asarray(traj.loss_mask)
+    return out
+
+
+def policy_loss_config(cfg: RunConfig) -> algorithms.PolicyLossConfig:
+    a = cfg.algorithm
+    return algorithms.PolicyLossConfig(
+        clip_eps_low=a.clip_eps_low,
+        clip_eps_high=a.clip_eps_high,
+        dual_clip_c=a.dual_clip_c,
+        kl_coef=a.kl_coef if a.kl_in_loss else 0.0,
+        kl_type=a.kl_type,
+        entropy_coef=a.entropy_coef,
+        loss_agg_mode=a.loss_agg_mode,
+        max_len=cfg.rollout.max_response_len,
+        ratio_type="sequence" if a.policy_loss == "gspo" else "token",
+    )
+
+
+def advantage_config(cfg: RunConfig) -> algorithms.AdvantageConfig:
+    a = cfg.algorithm
+    return algorithms.AdvantageConfig(
+        group_size=cfg.rollout.group_size,
+        norm_by_std=a.norm_adv_by_std,
+        gamma=a.gamma,
+        lam=a.lam,
+        kl_beta=a.kl_coef if a.kl_in_reward else 0.0,
+        vapo_alpha=a.vapo_alpha,
+        critic_lam=cfg.critic.lam,
+        gigpo_omega=a.gigpo_omega,
+    )
+
+
+def _to_micro(batch: dict, num_micro: int) -> dict:
+    """[B, ...] -> [M, B / M, ...]."""
+    return {
+        k: v.reshape(num_micro, v.shape[0] // num_micro, *v.shape[1:]) for k, v in batch.items()
+    }
+
+
+class RLTrainer:
+    """Runs RL steps for one policy (and optional critic).
+
+    Args:
+      cfg: the run config.
+      model_cfg: the policy architecture.
+      params: the initial policy params (also the frozen reference policy when KL is on).
+      rollout: samples trajectories for prompt records (see `RolloutFn`).
+      reward: the composite reward.
+      pad_id: the padding token id.
+      mesh: the device mesh (None: one device).
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        model_cfg: models.ModelConfig,
+        params: Any,
+        rollout: RolloutFn,
+        reward: CompositeReward,
+        *,
+        pad_id: int,
+        mesh=None,
+    ):
+        self.cfg, self.model_cfg, self.rollout, self.reward = cfg, model_cfg, rollout, reward
+        self.pad_id, self.mesh = pad_id, mesh
+        o, a = cfg.optim, cfg.algorithm
+        self.group_size = cfg.rollout.group_size
+        self.rows = cfg.data.batch_size * self.group_size
+        if self.rows % (o.num_mini_batches * o.micro_batch_size):
+            raise ValueError(
+                f"data.batch_size x rollout.group_size = {self.rows} sequences must split into "
+                f"optim.num_mini_batches ({o.num_mini_batches}) x optim.micro_batch_size "
+                f"({o.micro_batch_size})"
+            )
+        updates_total = max(1, cfg.trainer.steps * o.ppo_epochs * o.num_mini_batches)
+        self.optimizer = make_optimizer(
+            o.lr,
+            total_steps=updates_total,
+            warmup_steps=o.warmup_steps,
+            schedule=o.schedule,
+            min_lr_ratio=o.min_lr_ratio,
+            weight_decay=o.weight_decay,
+            b1=o.b1,
+            b2=o.b2,
+            grad_clip=o.grad_clip,
+        )
+        self.state = create_train_state(params, self.optimizer, cfg.trainer.seed)
+        self.ref_params = params if cfg.use_reference_model else None
+        self.pcfg = policy_loss_config(cfg)
+        self.acfg = advantage_config(cfg)
+        self.temperature = max(cfg.rollout.temperature, 1e-6)
+        self.critic_state = None
+        if a.uses_critic:
+            critic = policy.init_value_head(model_cfg, params, jax.random.key(cfg.trainer.seed))
+            self.critic_optimizer = make_optimizer(
+                cfg.critic.lr,
+                total_steps=updates_total,
+                warmup_steps=cfg.critic.warmup_steps,
+                grad_clip=o.grad_clip,
+            )
+            self.critic_state = create_train_state(critic, self.critic_optimizer, cfg.trainer.seed)
+        self._build_fns()
+
+    # ------------------------------------------------------------------ jitted functions
+
+    def _build_fns(self) -> None:
+        mcfg, pcfg, T = self.model_cfg, self.pcfg, self.temperature
+        nll_coef = self.cfg.algorithm.nll_coef
+
+        def logprobs(params, b):
+            return policy.token_logprobs(
+                mcfg,
+                params,
+                b["tokens"],
+                b["positions"],
+                b["attention"],
+                b["loss_mask"],
+                temperature=T,
+            )
+
+        def actor_loss(params, mb, denom):
+            logp, ent = logprobs(params, mb)
+            terms = algorithms.policy_loss(
+                pcfg,
+                logp,
+                mb["old_logp"],
+                mb["advantages"],
+                mb["loss_mask"],
+                ref_logp_BT=mb.get("ref_logp"),
+                entropy_BT=ent,
+                denominator=denom,
+            )
+            loss = terms.loss
+            metrics = dict(terms.metrics)
+            if nll_coef:  # VAPO: NLL on the tokens of correct responses
+                pos = mb["loss_mask"] * mb["correct"][:, None]
+                nll, _ = algorithms.aggregate(
+                    -logp, pos, pcfg.loss_agg_mode, max_len=pcfg.max_len, denominator=denom
+                )
+                loss = loss + nll_coef * nll / jnp.maximum(denom, 1.0)
+            metrics["entropy"] = algorithms.masked_mean(ent, mb["loss_mask"])
+            return loss, metrics
+
+        def actor_denom(batch_M):
+            mask = batch_M["loss_mask"].reshape(-1, batch_M["loss_mask"].shape[-1])
+            return algorithms.loss_denominator(mask, pcfg.loss_agg_mode, pcfg.max_len)
+
+        self._logprobs = jax.jit(logprobs)
+        self._actor_update = jax.jit(
+            make_update(actor_loss, self.optimizer, denoms_fn=actor_denom), donate_argnums=0
+        )
+        est, acfg = self.cfg.algorithm.adv_estimator, self.acfg
+        self._advantages = jax.jit(
+            functools.partial(algorithms.compute_advantages, est, config=acfg)
+        )
+        if self.critic_state is not None:
+            clip_v = self.cfg.critic.value_clip_eps
+
+            def values(critic_params, b):
+                return policy.token_values(
+                    mcfg, critic_params, b["tokens"], b["positions"], b["attention"]
+                )
+
+            def critic_loss(critic_params, mb, denom):
+                v = values(critic_params, mb)
+                terms = algorithms.value_loss(
+                    v,
+                    mb["old_values"],
+                    mb["returns"],
+                    mb["loss_mask"],
+                    clip_eps=clip_v,
+                    loss_agg_mode="token-mean",
+                    denominator=denom,
+                )
+                return terms.loss, dict(terms.metrics)
+
+            def critic_denom(batch_M):
+                return jnp.sum(batch_M["loss_mask"])
+
+            self._values = jax.jit(values)
+            self._critic_update = jax.jit(
+                make_update(critic_loss, self.critic_optimizer, denoms_fn=critic_denom),
+                donate_argnums=0,
+            )
+
+    # ------------------------------------------------------------------ one RL step
+
+    @property
+    def params(self):
+        return self.state.params
+
+    def score(
+        self, records: Sequence[dict], trajectories: Sequence[Any]
+    ) -> tuple[np.ndarray, dict]:
+        """Rewards of trajectories (G consecutive ones per record) and their components."""
+        G = self.group_size
+        infos = [
+            TrajectoryInfo(
+                tool_calls=t.tool_calls,
+                num_calls=t.num_calls,
+                num_turns=t.num_turns,
+                response_length=len(t.response_ids),
+            )
+            for t in trajectories
+        ]
+        gts = [records[i // G].get("ground_truth") for i in range(len(trajectories))]
+        group_ids = [i // G for i in range(len(trajectories))]
+        return self.reward.batch(
+            [t.response_text for t in trajectories], gts, infos, group_ids=group_ids
+        )
+
+    def _filter(self, scores: np.ndarray) -> np.ndarray:
+        """Indices of the groups to keep, by the configured filters."""
+        f = self.cfg.algorithm.filters
+        keep = np.arange(len(scores) // self.group_size)
+        sel = lambda idx: keep[np.isin(keep, idx)]
+        grouped = scores.reshape(-1, self.group_size)
+        if f.dynamic_sampling:
+            keep = sel(algorithms.dynamic_sampling_filter(grouped))
+        if f.zerotir:
+            keep = sel(
+                algorithms.accuracy_band_filter(
+                    (grouped > 0).astype(float), low=f.zerotir_low, high=f.zerotir_high
+                )
+            )
+        if f.starpo_s:
+            keep = sel(algorithms.starpo_s_filter(grouped, keep_fraction=f.starpo_keep_frac))
+        return keep
+
+    def step(self, records: Sequence[dict]) -> dict[str, float]:
+        """One RL step on a batch of prompt records; returns its metrics."""
+        cfg, G = self.cfg, self.group_size
+        t0 = time.perf_counter()
+        trajectories = list(self.rollout(records, G, self.state.params))
+        t_rollout = time.perf_counter() - t0
+        scores, parts = self.score(records, trajectories)
+        keep_groups = self._filter(scores)
+        keep = [g * G + j for g in keep_groups for j in range(G)]
+        metrics = rollout_metrics(trajectories, scores, parts)
+        metrics["filter/kept_groups_frac"] = len(keep_groups) / max(1, len(records))
+        metrics["time/rollout_s"] = t_rollout
+        metrics["throughput/rollout_tokens_per_s"] = sum(
+            len(t.response_ids) for t in trajectories
+        ) / max(t_rollout, 1e-9)
+        if not keep:
+            metrics["time/update_s"] = 0.0
+            return metrics
+        t1 = time.perf_counter()
+        batch = pack_trajectories(
+            [trajectories[i] for i in keep], pad_id=self.pad_id, rows=self.rows
+        )
+        n_rows = len(keep)
+        scores_kept = np.zeros(self.rows, np.float32)
+        scores_kept[:n_rows] = scores[keep]
+        batch["correct"] = (scores_kept > 0).astype(np.float32)
+        batch = {k: jnp.asarray(v) for k, v in batch.items()}
+        batch["old_logp"], _ = self._logprobs(self.state.params, batch)
+        if self.ref_params is not None:
+            batch["ref_logp"], _ = self._logprobs(self.ref_params, batch)
+        adv_inputs = {"loss_mask_BT": batch["loss_mask"], "scores_B": jnp.asarray(scores_kept)}
+        if self.cfg.algorithm.kl_in_reward and self.ref_params is not None:
+            adv_inputs["kl_BT"] = (
+                algorithms.kl_penalty(
+                    batch["old_logp"], batch["ref_logp"], self.cfg.algorithm.kl_type
+                )
+                * batch["loss_mask"]
+            )
+        if self.critic_state is not None:
+            batch["old_values"] = self._values(self.critic_state.params, batch)
+            adv_inputs["values_BT"] = batch["old_values"]
+        # Padding rows would form fake groups: the estimator sees only the real rows.
+        adv, returns = self._advantages(
+            algorithms.AdvantageInputs(**{k: v[:n_rows] for k, v in adv_inputs.items()})
+        )
+        pad_rows = ((0, self.rows - n_rows), (0, 0))
+        batch["advantages"] = jnp.pad(adv, pad_rows)
+        batch["returns"] = jnp.pad(returns, pad_rows)
+        update_metrics = self._update(batch)
+        jax.block_until_ready(self.state.params)
+        t_update = time.perf_counter() - t1
+        n_tokens = float(jnp.sum(batch["attention"]))
+        metrics.update(update_metrics)
+        metrics["time/update_s"] = t_update
+        metrics["throughput/update_tokens_per_s"] = (
+            n_tokens * cfg.optim.ppo_epochs / max(t_update, 1e-9)
+        )
+        metrics["actor/advantage_mean"] = float(
+            algorithms.masked_mean(batch["advantages"], batch["loss_mask"])
+        )
+        return metrics
+
+    def _update(self, batch: dict) -> dict[str, float]:
+        o = self.cfg.optim
+        n_mini = o.num_mini_batches
+        mini = self.rows // n_mini
+        rng = np.random.default_rng(int(self.state.step) + self.cfg.trainer.seed)
+        actor_keys = [
+            "tokens",
+            "positions",
+            "attention",
+            "loss_mask",
+            "old_logp",
+            "advantages",
+            "correct",
+        ] + (["ref_logp"] if "ref_logp" in batch else [])
+        critic_keys = ["tokens", "positions", "attention", "loss_mask", "old_values", "returns"]
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(o.ppo_epochs):
+            order = rng.permutation(self.rows)
+            for k in range(n_mini):
+                idx = jnp.asarray(order[k * mini : (k + 1) * mini])
+                num_micro = mini // o.micro_batch_size
+                actor_mb = _to_micro({key: batch[key][idx] for key in actor_keys}, num_micro)
+                self.state, m = self._actor_update(self.state, actor_mb)
+                m = {f"actor/{key}": v for key, v in m.items()}
+                if self.critic_state is not None:
+                    critic_mb = _to_micro({key: batch[key][idx] for key in critic_keys}, num_micro)
+                    self.critic_state, cm = self._critic_update(self.critic_state, critic_mb)
+                    m.update({f"critic/{key}": v for key, v in cm.items()})
+                for key, v in m.items():
+                    sums[key] = sums.get(key, 0.0) + float(v)
+                count += 1
+        return {k: v / count for k, v in sums.items()}
+
+    # ------------------------------------------------------------------ checkpoint support
+
+    def checkpoint_state(self) -> dict:
+        state = {"actor": self.state}
+        if self.critic_state is not None:
+            state["critic"] = self.critic_state
+        return state
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self.state = state["actor"]
+        if self.critic_state is not None:
+            self.critic_state = state["critic"]
+
+
+def rollout_metrics(trajectories: Sequence[Any], scores: np.ndarray, parts: dict) -> dict:
+    """Reward, accuracy, tool-use and length statistics of a batch of trajectories."""
+    calls = np.array([t.num_calls for t in trajectories], np.float32)
+    records = [r for t in trajectories for r in t.tool_calls]
+    errors = sum(1 for r in records if not _ok(r))
+    lengths = np.array([len(t.response_ids) for t in trajectories], np.float32)
+    out = {
+        "reward/mean": float(np.mean(scores)),
+        "reward/std": float(np.std(scores)),
+        "tools/calls_per_response": float(calls.mean()),
+        "tools/error_rate": errors / max(1, len(records)),
+        "tools/used_frac": float((calls > 0).mean()),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max(initial=0)),
+    }
+    for name, values in parts.items():
+        out[f"reward/{name}"] = float(np.mean(values))
+    if "math" in parts or "qa_em" in parts:
+        key = "math" if "math" in parts else "qa_em"
+        out["reward/accuracy"] = float(np.mean(np.asarray(parts[key]) > 0))
+    finish: dict[str, int] = {}
+    for t in trajectories:
+        finish[t.finish_reason] = finish.get(t.finish_reason, 0) + 1
+    for reason, n in finish.items():
+        out[f"response/finish_{reason}"] = n / len(trajectories)
+    return out
+
+
+def _ok(record: Any) -> bool:
+    if isinstance(record, dict):
+        return bool(record.get("ok", True))
+    return bool(getattr(record, "ok", True))

@@ -1,0 +1,49 @@
+"""Qwen2/2.5, Qwen3 and Llama 3.x decoders as Flax modules, KV cache, HF safetensors <-> params.
+
+Layers are stacked along a leading "layers" axis and scanned (`nn.scan`): compile time stays flat
+with depth. All functions are pure; jit them with the (hashable) `ModelConfig` static.
+"""
+
+from jaxrl_tools.models.cache import CACHE_AXES, KVCache, cache_axes, init_cache
+from jaxrl_tools.models.config import (
+    SUPPORTED_MODEL_TYPES,
+    ModelConfig,
+    load_config,
+    rope_inv_freq,
+)
+from jaxrl_tools.models.hf_io import KEY_TABLES, KeySpec, from_pretrained, save_pretrained
+from jaxrl_tools.models.transformer import (
+    Decoder,
+    default_positions,
+    forward,
+    forward_cached,
+    hidden_states,
+    init_params,
+    logical_axes,
+    param_shapes,
+    unembed,
+)
+
+__all__ = [
+    "CACHE_AXES",
+    "KEY_TABLES",
+    "SUPPORTED_MODEL_TYPES",
+    "Decoder",
+    "KVCache",
+    "KeySpec",
+    "ModelConfig",
+    "cache_axes",
+    "default_positions",
+    "forward",
+    "forward_cached",
+    "from_pretrained",
+    "hidden_states",
+    "init_cache",
+    "init_params",
+    "load_config",
+    "logical_axes",
+    "param_shapes",
+    "rope_inv_freq",
+    "save_pretrained",
+    "unembed",
+]

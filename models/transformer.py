@@ -1,0 +1,411 @@
+"""Decoder-only transformer (Qwen2/2.5, Qwen3, Llama 3.x) as Flax linen modules.
+
+Layers are stacked along a leading "layers" axis and run with `nn.scan`, so compile time does
+not grow with depth and every layer parameter is one array [layers, ...]. Every parameter
+carries logical axis names (`nn.with_logical_partitioning`); activations are constrained with
+`sharding.constrain` (a no-op outside `sharding.use_mesh`).
+
+Public functions take `(config, params, ...)` with `params` a plain nested dict; they are pure and
+not jitted here: jit them with `config` static (it is hashable). `constrain` reads the mesh of
+`sharding.use_mesh` while tracing, and jax's trace cache does not know about it: trace (first call)
+a jitted function inside the `use_mesh` block it will run under, and use one jitted function
+object per mesh.
+
+Parameter tree (D hidden, H heads, K kv heads, Dh head dim, F mlp, V vocab, L layers):
+  embed/embedding [V, D]                      ("vocab", "embed")
+  layers/attn/{q}_proj/kernel [L, D, H, Dh]   ("layers", "embed", "heads", "head_dim")
+  layers/attn/{k,v}_proj/kernel [L, D, K, Dh] ("layers", "embed", "kv_heads", "head_dim")
+  layers/attn/{q,k,v}_proj/bias [L, H|K, Dh]  (only with attention_bias)
+  layers/attn/o_proj/kernel [L, H, Dh, D]     ("layers", "heads", "head_dim", "embed")
+  layers/attn/{q,k}_norm/scale [L, Dh]        (only with qk_norm, Qwen3)
+  layers/mlp/{gate,up}_proj/kernel [L, D, F], layers/mlp/down_proj/kernel [L, F, D]
+  layers/{input,post_attention}_norm/scale [L, D], final_norm/scale [D]
+  lm_head/kernel [D, V]                       (only when the embeddings are not tied)
+"""
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxrl_tools.models.cache import KVCache
+from jaxrl_tools.models.config import ModelConfig, rope_inv_freq
+from jaxrl_tools.sharding import constrain
+
+Params = dict[str, Any]
+
+_INIT_STD = 0.02  # transformers' initializer_range
+_NEG = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked row stays NaN-free
+
+
+def _param(module: nn.Module, name: str, init, shape, axes, dtype):
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMS norm as in transformers: normalise in float32, cast back, then scale."""
+
+    eps: float
+    axis: str = "embed"
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis,),
+                       self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(x.dtype) * y.astype(x.dtype)
+
+
+class Projection(nn.Module):
+    """x[..., in] @ kernel[in, *out] (+ bias[*out]), kernel in its logical layout."""
+
+    in_features: int
+    out_shape: tuple[int, ...]
+    axes: tuple[str, ...]  # logical axes of the kernel
+    use_bias: bool = False
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = _param(self, "kernel", nn.initializers.normal(_INIT_STD),
+                        (self.in_features, *self.out_shape), self.axes, self.param_dtype)
+        y = jnp.tensordot(x, kernel.astype(x.dtype), axes=((x.ndim - 1,), (0,)))
+        if self.use_bias:
+            bias = _param(self, "bias", nn.initializers.zeros, self.out_shape, self.axes[1:],
+                          self.param_dtype)
+            y = y + bias.astype(x.dtype)
+        return y
+
+
+class OutProjection(nn.Module):
+    """x[..., H, Dh] @ kernel[H, Dh, D]."""
+
+    features: int
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BTHK):
+        h, dh = x_BTHK.shape[-2:]
+        kernel = _param(self, "kernel", nn.initializers.normal(_INIT_STD), (h, dh, self.features),
+                        ("heads", "head_dim", "embed"), self.param_dtype)
+        return jnp.einsum("bthk,hkd->btd", x_BTHK, kernel.astype(x_BTHK.dtype))
+
+
+def _rotate(x_BTNK, cos_BTK, sin_BTK):
+    """Rotary embedding, rotate-half layout (as the HF checkpoints expect), in float32."""
+    half = x_BTNK.shape[-1] // 2
+    x = x_BTNK.astype(jnp.float32)
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos_BTK[:, :, None, :], sin_BTK[:, :, None, :]
+    return (x * cos + rotated * sin).astype(x_BTNK.dtype)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x_BTD, cos_BTK, sin_BTK, mask_BTS, cache, layer_idx, write_pos_BT):
+        cfg = self.config
+        D, H, K = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+        Dh, pd = cfg.head_dim, self.param_dtype
+        q = Projection(D, (H, Dh), ("embed", "heads", "head_dim"), cfg.attention_bias, pd,
+                       name="q_proj")(x_BTD)
+        k = Projection(D, (K, Dh), ("embed", "kv_heads", "head_dim"), cfg.attention_bias, pd,
+                       name="k_proj")(x_BTD)
+        v = Projection(D, (K, Dh), ("embed", "kv_heads", "head_dim"), cfg.attention_bias, pd,
+                       name="v_proj")(x_BTD)
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.rms_norm_eps, "head_dim", pd, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, "head_dim", pd, name="k_norm")(k)
+        q = constrain(_rotate(q, cos_BTK, sin_BTK), ("batch", "length", "heads", "head_dim"))
+        k = constrain(_rotate(k, cos_BTK, sin_BTK), ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+
+        if cache is not None:
+            # Write this chunk's K/V into each row at its absolute positions (invalid tokens were
+            # given an out-of-range position and are dropped), then attend over the whole row.
+            B = x_BTD.shape[0]
+            rows = jnp.arange(B)[:, None]
+            ck, cv = cache
+            ck = ck.at[layer_idx, rows, write_pos_BT].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[layer_idx, rows, write_pos_BT].set(v.astype(cv.dtype), mode="drop")
+            cache = (ck, cv)
+            k, v = ck[layer_idx].astype(q.dtype), cv[layer_idx].astype(q.dtype)
+
+        B, T = q.shape[:2]
+        q = q.reshape(B, T, K, H // K, Dh)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+        scores = scores * (Dh**-0.5)
+        scores = jnp.where(mask_BTS[:, None, None, :, :], scores, _NEG)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(B, T, H, Dh)
+        out = constrain(out, ("batch", "length", "heads", "head_dim"))
+        return OutProjection(D, pd, name="o_proj")(out), cache
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        cfg, pd = self.config, self.param_dtype
+        D, F = cfg.hidden_size, cfg.intermediate_size
+        gate = Projection(D, (F,), ("embed", "mlp"), False, pd, name="gate_proj")(x_BTD)
+        up = Projection(D, (F,), ("embed", "mlp"), False, pd, name="up_proj")(x_BTD)
+        h = constrain(nn.silu(gate) * up, ("batch", "length", "mlp"))
+        return Projection(F, (D,), ("mlp", "embed"), False, pd, name="down_proj")(h)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block; scanned over layers. carry = (h_BTD, cache or None)."""
+
+    config: ModelConfig
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, carry, layer_idx, cos_BTK, sin_BTK, mask_BTS, write_pos_BT):
+        cfg, pd = self.config, self.param_dtype
+        h, cache = carry
+        x = RMSNorm(cfg.rms_norm_eps, "embed", pd, name="input_norm")(h)
+        attn, cache = Attention(cfg, pd, name="attn")(
+            x, cos_BTK, sin_BTK, mask_BTS, cache, layer_idx, write_pos_BT
+        )
+        h = constrain(h + attn, ("batch", "length", "embed"))
+        x = RMSNorm(cfg.rms_norm_eps, "embed", pd, name="post_attention_norm")(h)
+        h = constrain(h + MLP(cfg, pd, name="mlp")(x), ("batch", "length", "embed"))
+        return (h, cache), None
+
+
+class Decoder(nn.Module):
+    """Embedding -> scanned layers -> final norm. Returns hidden states (compute dtype)."""
+
+    config: ModelConfig
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, ids_BT, positions_BT, mask_BTS, cache=None, write_pos_BT=None):
+        cfg, pd = self.config, self.param_dtype
+        embedding = _param(self, "embedding", nn.initializers.normal(_INIT_STD),
+                           (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
+        # The compute dtype follows the parameters (bfloat16 params -> bfloat16 compute).
+        h = constrain(jnp.take(embedding, ids_BT, axis=0), ("batch", "length", "embed"))
+
+        inv_freq = jnp.asarray(rope_inv_freq(cfg))
+        freqs = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+        freqs = jnp.concatenate([freqs, freqs], axis=-1)
+        cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+        if h.dtype != jnp.float32:
+            # transformers casts cos/sin to the compute dtype before rotating.
+            cos, sin = cos.astype(h.dtype).astype(jnp.float32), sin.astype(h.dtype).astype(
+                jnp.float32
+            )
+
+        layers = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.num_hidden_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(cfg, pd, name="layers")
+        (h, cache), _ = layers(
+            (h, cache), jnp.arange(cfg.num_hidden_layers), cos, sin, mask_BTS, write_pos_BT
+        )
+        h = RMSNorm(cfg.rms_norm_eps, "embed", pd, name="final_norm")(h)
+        if not cfg.tie_word_embeddings:
+            _param(self, "lm_head", nn.initializers.normal(_INIT_STD),
+                   (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
+        return h, cache
+
+
+# The Decoder's own names are flat ("embedding", "lm_head"); the public tree nests them so that
+# every parameter is a dict of named leaves (embed/embedding, lm_head/kernel).
+def _to_public(p: Params) -> Params:
+    out = {k: v for k, v in p.items() if k not in ("embedding", "lm_head")}
+    out["embed"] = {"embedding": p["embedding"]}
+    if "lm_head" in p:
+        out["lm_head"] = {"kernel": p["lm_head"]}
+    return out
+
+
+def _to_module(p: Params) -> Params:
+    out = {k: v for k, v in p.items() if k not in ("embed", "lm_head")}
+    out["embedding"] = p["embed"]["embedding"]
+    if "lm_head" in p:
+        out["lm_head"] = p["lm_head"]["kernel"]
+    return out
+
+
+def _boxed_shapes(config: ModelConfig, dtype) -> Params:
+    ids = jnp.zeros((1, 1), jnp.int32)
+    mask = jnp.ones((1, 1, 1), bool)
+    return jax.eval_shape(
+        lambda: Decoder(config, dtype).init(jax.random.key(0), ids, ids, mask)["params"]
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _logical_axes_cached(config: ModelConfig):
+    boxed = _boxed_shapes(config, jnp.float32)
+    is_box = lambda x: isinstance(x, nn.Partitioned)
+
+    def names(path, leaf):
+        if not is_box(leaf):
+            raise ValueError(f"parameter {jax.tree_util.keystr(path)} has no logical axes")
+        return tuple(leaf.names)
+
+    return _to_public(jax.tree_util.tree_map_with_path(names, boxed, is_leaf=is_box))
+
+
+def logical_axes(config: ModelConfig) -> Params:
+    """Logical axis names of every parameter: a tree like the params, leaves tuples of names.
+
+    Raises:
+      ValueError: a parameter was declared without logical axes.
+    """
+    return jax.tree.map(lambda x: x, _logical_axes_cached(config), is_leaf=lambda x: (
+        isinstance(x, tuple)))
+
+
+def param_shapes(config: ModelConfig, dtype=jnp.float32) -> Params:
+    """ShapeDtypeStructs of the parameters (no memory allocated)."""
+    return _to_public(nn.unbox(_boxed_shapes(config, dtype)))
+
+
+def init_params(config: ModelConfig, rng: jax.Array, *, dtype=jnp.float32, mesh=None, rules=None
+                ) -> Params:
+    """Random parameters (normal(0.02) kernels, ones norms, zero biases), as transformers does.
+
+    Args:
+      config: the architecture.
+      rng: a PRNG key.
+      dtype: parameter dtype (float32 or bfloat16); the compute dtype follows it.
+      mesh: when given, every parameter is created already sharded on it (no full copy).
+      rules: logical -> mesh axes table (default `sharding.DEFAULT_RULES`).
+
+    Returns:
+      A plain nested dict of arrays.
+    """
+    ids = jnp.zeros((1, 1), jnp.int32)
+    mask = jnp.ones((1, 1, 1), bool)
+
+    def init(key):
+        boxed = Decoder(config, dtype).init(key, ids, ids, mask)["params"]
+        return _to_public(nn.unbox(boxed))
+
+    if mesh is None:
+        return jax.jit(init)(rng)
+    from jaxrl_tools.sharding import sharded_init
+
+    return sharded_init(init, logical_axes(config), mesh, rng, rules=rules)
+
+
+def _apply(config, params, ids_BT, positions_BT, mask_BTS, cache=None, write_pos_BT=None):
+    dtype = params["embed"]["embedding"].dtype
+    return Decoder(config, dtype).apply(
+        {"params": _to_module(params)}, ids_BT, positions_BT, mask_BTS, cache, write_pos_BT
+    )
+
+
+def default_positions(attention_mask_BT: jax.Array) -> jax.Array:
+    """Positions for a (left-)padded batch: cumsum(mask) - 1, clipped at 0 on padding."""
+    return jnp.maximum(jnp.cumsum(attention_mask_BT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def hidden_states(config: ModelConfig, params: Params, input_ids_BT: jax.Array, *,
+                  attention_mask=None, positions=None) -> jax.Array:
+    """Hidden states after the final norm, h_BTD in the compute dtype (= the params' dtype).
+
+    Token t attends to tokens t' <= t of its row whose attention_mask is 1; `positions` only
+    feed the rotary embedding, so a left-padded row gives the same values as the unpadded one.
+
+    Args:
+      config: the architecture.
+      params: the parameters.
+      input_ids_BT: int token ids [B, T].
+      attention_mask: [B, T], 1 for real tokens, 0 for padding (default all ones).
+      positions: [B, T] rotary positions (default cumsum(attention_mask) - 1).
+
+    Returns:
+      h_BTD with logits = h_BTD @ unembed(config, params).
+    """
+    B, T = input_ids_BT.shape
+    if attention_mask is None:
+        attention_mask = jnp.ones((B, T), jnp.int32)
+    if positions is None:
+        positions = default_positions(attention_mask)
+    causal_TT = jnp.tril(jnp.ones((T, T), bool))
+    mask_BTS = causal_TT[None] & (attention_mask[:, None, :] > 0)
+    h, _ = _apply(config, params, input_ids_BT, positions, mask_BTS)
+    return h
+
+
+def unembed(config: ModelConfig, params: Params) -> jax.Array:
+    """The LM head matrix W_DV (tied embeddings -> embedding.T)."""
+    if config.tie_word_embeddings:
+        return params["embed"]["embedding"].T
+    return params["lm_head"]["kernel"]
+
+
+def _logits(config, params, h_BTD):
+    w_DV = unembed(config, params).astype(h_BTD.dtype)
+    logits = jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "length", "vocab"))
+
+
+def forward(config: ModelConfig, params: Params, input_ids_BT: jax.Array, *,
+            attention_mask=None, positions=None) -> jax.Array:
+    """Logits of a (possibly left-padded) batch.
+
+    Args:
+      config: the architecture.
+      params: the parameters.
+      input_ids_BT: int token ids [B, T].
+      attention_mask: [B, T], 1 for real tokens, 0 for padding (default all ones).
+      positions: [B, T] rotary positions (default cumsum(attention_mask) - 1).
+
+    Returns:
+      logits_BTV in float32 (rows at padding positions are meaningless but finite).
+    """
+    h = hidden_states(config, params, input_ids_BT, attention_mask=attention_mask,
+                      positions=positions)
+    return _logits(config, params, h)
+
+
+def forward_cached(config: ModelConfig, params: Params, tokens_BT: jax.Array,
+                   positions_BT: jax.Array, cache: KVCache, *, valid_BT=None
+                   ) -> tuple[jax.Array, KVCache]:
+    """Runs a chunk of tokens per row against the KV cache and writes their K/V into it.
+
+    Row b of the cache is a slot holding one sequence from position 0. Token (b, t) is written at
+    cache position positions_BT[b, t] (unless valid_BT[b, t] == 0, then nothing is written) and
+    attends to cache entries s <= positions_BT[b, t] of row b, including the tokens of this chunk.
+    Positions of the valid tokens of a row must be distinct and < cache.max_len.
+
+    Args:
+      config: the architecture.
+      params: the parameters.
+      tokens_BT: int token ids [B, T].
+      positions_BT: int absolute positions [B, T].
+      cache: the KVCache (donate it when jitting).
+      valid_BT: [B, T] 1 for tokens to write, 0 for filler (default all ones).
+
+    Returns:
+      (logits_BTV float32, the updated cache).
+    """
+    B, T = tokens_BT.shape
+    S = cache.k.shape[2]
+    positions_BT = positions_BT.astype(jnp.int32)
+    if valid_BT is None:
+        valid_BT = jnp.ones((B, T), bool)
+    write_pos = jnp.where(valid_BT > 0, positions_BT, S)  # S is out of range: dropped
+    mask_BTS = jnp.arange(S)[None, None, :] <= positions_BT[:, :, None]
+    h, (k, v) = _apply(config, params, tokens_BT, positions_BT, mask_BTS, (cache.k, cache.v),
+                       write_pos)
+    return _logits(config, params, h), KVCache(k=k, v=v)

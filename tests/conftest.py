@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random Hugging Face models saved into temporary folders."""
+
+import pytest
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4)
+
+
+def _perturb(model, seed: int) -> None:
+    """Makes norms and biases non-trivial (transformers initialises them to 1 and 0)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            else:
+                p.copy_(0.1 * noise)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """Factory: tiny_hf("qwen2"|"qwen3"|"llama", **config_overrides) -> (torch model, folder).
+
+    The model is float32, eager attention, eval mode, with random weights; cached per arguments.
+    """
+    import torch
+    import transformers
+
+    classes = {
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "llama": transformers.LlamaConfig,
+    }
+    made = {}
+
+    def make(family: str, **overrides):
+        key = (family, tuple(sorted(overrides.items(), key=lambda kv: kv[0])).__repr__())
+        if key not in made:
+            kwargs = dict(TINY)
+            if family == "qwen3":
+                kwargs["head_dim"] = 16
+            kwargs.update(overrides)
+            config = classes[family](**kwargs)
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation="eager", dtype=torch.float32
+            ).eval()
+            _perturb(model, seed=len(made))
+            folder = tmp_path_factory.mktemp(f"hf_{family}")
+            model.save_pretrained(folder)
+            made[key] = (model, folder)
+        return made[key]
+
+    return make

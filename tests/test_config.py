@@ -1,0 +1,142 @@
+"""Tests for jaxrl_tools.config: shipped YAMLs, overrides, clear errors, round trip."""
+
+import dataclasses
+import glob
+import os
+
+import pytest
+
+from jaxrl_tools.config import (
+    ConfigError,
+    RunConfig,
+    config_from_dict,
+    load_config,
+    save_config,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+DEMO = os.path.join(ROOT, "configs", "grpo_tool_math.yaml")
+
+
+def test_configs_exist():
+    names = {os.path.basename(c) for c in CONFIGS}
+    assert {
+        "grpo_tool_math.yaml",
+        "otc_tool_math.yaml",
+        "ppo_tool_math.yaml",
+        "retool.yaml",
+        "search_r1.yaml",
+        "dapo.yaml",
+    } <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_every_shipped_config_parses(path, tmp_path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+    # round trip through save_config
+    save_config(cfg, tmp_path / "saved.yaml")
+    assert load_config(tmp_path / "saved.yaml") == cfg
+
+
+def test_defaults_and_frozen():
+    cfg = load_config(None, ["tokenizer.path=/tmp/tok"])
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.group_size == 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.optim.lr = 1.0  # type: ignore[misc]
+
+
+def test_override_forms():
+    cfg = load_config(
+        DEMO,
+        [
+            "optim.lr=2e-6",
+            "--trainer.steps",
+            "7",
+            "--rollout.top_p=0.9",
+            "trainer.mesh=1x2x1",
+            "algorithm.dual_clip_c=null",
+            "reward.0.kwargs.wrong=-1.0",
+            "data.train_files=[a.jsonl, b.parquet]",
+            "algorithm.filters.zerotir=true",
+        ],
+    )
+    assert cfg.optim.lr == pytest.approx(2e-6)
+    assert cfg.trainer.steps == 7 and cfg.rollout.top_p == pytest.approx(0.9)
+    assert cfg.trainer.mesh_shape == (1, 2, 1)
+    assert cfg.algorithm.dual_clip_c is None
+    assert cfg.reward[0].kwargs["wrong"] == -1.0
+    assert cfg.data.train_files == ("a.jsonl", "b.parquet")
+    assert cfg.algorithm.filters.zerotir
+    # untouched values come from the YAML
+    assert cfg.rollout.group_size == 8 and cfg.algorithm.clip_eps_high == pytest.approx(0.28)
+
+
+def test_unknown_key_names_key_and_valid_keys(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, ["optim.lrr=1e-6"])
+    msg = str(e.value)
+    assert "optim.lrr" in msg and "did you mean 'lr'" in msg and "warmup_steps" in msg
+    bad = tmp_path / "typo.yaml"
+    bad.write_text("trainer:\n  stepz: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert (
+        "trainer.stepz" in str(e.value) and "'steps'" in str(e.value) and str(bad) in str(e.value)
+    )
+    with pytest.raises(ConfigError, match="unknown key 'modle'.*valid keys for the top level"):
+        config_from_dict({"modle": {}})
+    with pytest.raises(ConfigError, match=r"reward\[0\].wieght"):
+        config_from_dict({"tokenizer": {"path": "t"}, "reward": [{"name": "math", "wieght": 1}]})
+
+
+def test_wrong_type_names_field(tmp_path):
+    with pytest.raises(ConfigError, match="trainer.steps"):
+        load_config(DEMO, ["trainer.steps=many"])
+    with pytest.raises(ConfigError, match="rollout.group_size"):
+        load_config(DEMO, ["rollout.group_size=1.5"])
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(DEMO, ["trainer=5"])
+    with pytest.raises(ConfigError, match="tools must be a list"):
+        load_config(DEMO, ["tools=python"])
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("algorithm.clip_eps_low=0", "algorithm.clip_eps_low must be > 0"),
+        ("algorithm.dual_clip_c=1.0", "algorithm.dual_clip_c must be > 1"),
+        ("rollout.group_size=0", "rollout.group_size must be >= 1"),
+        ("rollout.protocol=openai", "rollout.protocol='openai' is not one of"),
+        ("algorithm.adv_estimator=grp0", "did you mean 'grpo'"),
+        ("algorithm.loss_agg_mode=mean", "algorithm.loss_agg_mode"),
+        ("rollout.top_p=0", "rollout.top_p"),
+        ("trainer.mesh=2x2", "trainer.mesh"),
+        ("algorithm.adv_estimator=gae", "critic.enabled must be true"),
+        ("reward.0.name=mathh", "reward[0].name"),
+        ("model.tiny.num_key_value_heads=3", "model.tiny.num_attention_heads"),
+        ("tokenizer.path=null", "tokenizer.path must be set"),
+    ],
+)
+def test_validation_errors_name_field(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, [override])
+    assert needle in str(e.value)
+
+
+def test_tool_class_alias_and_derived():
+    cfg = load_config(DEMO)
+    assert cfg.tools[0].cls == "python" and cfg.tools[0].config == {"mode": "stateless"}
+    assert cfg.use_reference_model and cfg.algorithm.kl_in_loss
+    assert not cfg.algorithm.uses_critic
+    ppo = load_config(os.path.join(ROOT, "configs", "ppo_tool_math.yaml"))
+    assert ppo.algorithm.uses_critic and not ppo.algorithm.kl_in_loss
+    assert load_config(os.path.join(ROOT, "configs", "dapo.yaml")).use_reference_model is False
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot parse override"):
+        load_config(DEMO, ["optim.lr"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")

@@ -1,0 +1,175 @@
+"""Tests for jaxrl_tools.data: sources, grain pipeline, resumable state, chat rendering."""
+
+import json
+import logging
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jaxrl_tools.config import DataSection
+from jaxrl_tools.data import (
+    DataError,
+    PromptLoader,
+    RecordSource,
+    loader_from_config,
+    render_prompt,
+    select_tools,
+)
+from jaxrl_tools.tokenizer import build_tokenizer, python_tool_schema
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return path
+
+
+def _rows(n):
+    return [{"prompt": f"What is {i} + 1?", "ground_truth": str(i + 1), "id": i} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok") / "t", vocab_size=512)
+
+
+def test_jsonl_and_parquet(tmp_path):
+    j = _write_jsonl(tmp_path / "a.jsonl", _rows(3))
+    pq.write_table(pa.Table.from_pylist(_rows(2)), tmp_path / "b.parquet")
+    src = RecordSource([j, tmp_path / "b.parquet"])
+    assert len(src) == 5
+    assert src[0]["prompt"] == "What is 0 + 1?" and src[0]["ground_truth"] == "1"
+    assert src[0]["meta"] == {"id": 0} and src[0]["tools"] is None
+    assert src[4]["source"].endswith("b.parquet:2")
+    assert src[1]["source"].endswith("a.jsonl:2")
+
+
+def test_custom_keys_and_chat_prompts(tmp_path):
+    rows = [
+        {
+            "question": [{"role": "user", "content": "hi"}],
+            "answer": {"target": ["x"]},
+            "tools": ["python"],
+        }
+    ]
+    src = RecordSource(
+        [_write_jsonl(tmp_path / "c.jsonl", rows)], prompt_key="question", answer_key="answer"
+    )
+    assert src[0]["prompt"][0]["content"] == "hi" and src[0]["ground_truth"] == {"target": ["x"]}
+    assert src[0]["tools"] == ["python"]
+
+
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        ('{"prompt": "q", "ground_truth": "1"', "bad JSON"),
+        ('{"ground_truth": "1"}', "missing field 'prompt'"),
+        ('{"prompt": "q"}', "missing field 'ground_truth'"),
+        ('{"prompt": [{"content": "x"}], "ground_truth": "1"}', "'role'"),
+        ('{"prompt": "q", "ground_truth": "1", "tools": "python"}', "must be a list"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
+def test_bad_line_error_names_file_and_line(tmp_path, bad, needle):
+    path = _write_jsonl(tmp_path / "bad.jsonl", [_rows(1)[0], "", bad])
+    with pytest.raises(DataError) as e:
+        RecordSource([path])
+    assert f"{path}:3" in str(e.value) and needle in str(e.value)
+
+
+def test_skip_bad_lines_counts_and_logs(tmp_path, caplog):
+    rows = _rows(4)
+    lines = [rows[0], "not json", rows[1], '{"prompt": "x"}', rows[2], rows[3]]
+    path = _write_jsonl(tmp_path / "d.jsonl", lines)
+    with caplog.at_level(logging.WARNING, logger="jaxrl_tools.data"):
+        src = RecordSource([path], skip_bad_lines=True)
+    assert len(src) == 4 and src.num_skipped == 2
+    assert [s.line for s in src.skipped] == [2, 4]
+    assert f"{path}:2" in caplog.text and "skipped 2 bad line(s)" in caplog.text
+    assert [r["ground_truth"] for r in src] == ["1", "2", "3", "4"]
+
+
+def test_missing_file_and_empty(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        RecordSource([tmp_path / "nope.jsonl"])
+    with pytest.raises(DataError, match="no valid records"):
+        RecordSource([_write_jsonl(tmp_path / "e.jsonl", ["oops"])], skip_bad_lines=True)
+    with pytest.raises(DataError, match="unsupported"):
+        RecordSource([_write_jsonl(tmp_path / "e.csv", ["a"])])
+
+
+def _ids(batches):
+    return [[r["meta"]["id"] for r in b] for b in batches]
+
+
+def test_shuffle_deterministic_and_epochs(tmp_path):
+    src = RecordSource([_write_jsonl(tmp_path / "f.jsonl", _rows(10))])
+    a = PromptLoader(src, batch_size=5, seed=1)
+    b = PromptLoader(src, batch_size=5, seed=1)
+    c = PromptLoader(src, batch_size=5, seed=2)
+    first_a = _ids([next(a) for _ in range(6)])
+    assert first_a == _ids([next(b) for _ in range(6)])
+    assert first_a != _ids([next(c) for _ in range(6)])
+    # each epoch is a permutation, reshuffled between epochs
+    epochs = [sorted(first_a[2 * e] + first_a[2 * e + 1]) for e in range(3)]
+    assert all(e == list(range(10)) for e in epochs)
+    assert first_a[0] + first_a[1] != first_a[2] + first_a[3]
+    # finite epochs stop; eval order is file order
+    fin = PromptLoader(src, batch_size=4, shuffle=False, num_epochs=1, drop_remainder=False)
+    assert _ids(list(fin)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_state_restore_sees_same_data(tmp_path):
+    src = RecordSource([_write_jsonl(tmp_path / "g.jsonl", _rows(7))])
+    run = PromptLoader(src, batch_size=3, seed=4)
+    for _ in range(3):
+        next(run)
+    state = json.loads(json.dumps(run.get_state()))  # survives a checkpoint round trip
+    expected = _ids([next(run) for _ in range(5)])
+    resumed = PromptLoader(src, batch_size=3, seed=4)
+    resumed.set_state(state)
+    assert _ids([next(resumed) for _ in range(5)]) == expected
+
+
+def test_loader_from_config(tmp_path):
+    train = _write_jsonl(tmp_path / "t.jsonl", _rows(6) + ["bad"])
+    cfg = DataSection(
+        train_files=(str(train),),
+        eval_files=(str(train),),
+        batch_size=2,
+        eval_batch_size=4,
+        skip_bad_lines=True,
+        shuffle_seed=3,
+    )
+    tr = loader_from_config(cfg, "train")
+    assert len(next(tr)) == 2 and tr.source.num_skipped == 1
+    ev = loader_from_config(cfg, "eval")
+    assert [len(b) for b in ev] == [4, 2]
+
+
+def test_render_prompt_with_tools(tok):
+    schema = python_tool_schema()
+    rec = {"prompt": "What is 2 * 3?", "tools": ["python"]}
+    text = render_prompt(tok, rec, [schema], "Use tools.")
+    assert text.startswith("<|im_start|>system\nUse tools.\n\n# Tools")
+    assert json.dumps(schema) in text
+    assert text.endswith("<|im_start|>user\nWhat is 2 * 3?<|im_end|>\n<|im_start|>assistant\n")
+    # no tools for this record / no schema
+    plain = render_prompt(tok, {"prompt": "hi", "tools": []}, [schema], None)
+    assert "<tools>" not in plain and plain.endswith("<|im_start|>assistant\n")
+    # chat prompts keep their own system message
+    chat = {"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}]}
+    assert render_prompt(tok, chat, None, "ignored").startswith("<|im_start|>system\nS<|im_end|>")
+    # a record carrying full schemas
+    assert "<tools>" in render_prompt(tok, {"prompt": "q", "tools": [schema]})
+
+
+def test_select_tools():
+    s = python_tool_schema()
+    assert select_tools(None, [s]) == [s]
+    assert select_tools(["python"], {"python": s}) == [s]
+    assert select_tools([], [s]) is None
+    with pytest.raises(DataError, match="unknown tool 'search'"):
+        select_tools(["search"], [s])

@@ -1,0 +1,296 @@
+"""Tool protocol, registry/YAML, executor validation, calculator, function_tool, BM25 search."""
+
+import asyncio
+import json
+from typing import Literal
+
+import pytest
+from jaxrl_tools.tools import (
+    TOOL_REGISTRY,
+    BM25Index,
+    CalculatorTool,
+    Observation,
+    PythonTool,
+    SandboxConfig,
+    SandboxPool,
+    SearchTool,
+    Tool,
+    ToolCall,
+    ToolExecutor,
+    create_tool,
+    function_tool,
+    get_parser,
+    load_tools_yaml,
+    safe_eval,
+    validate_arguments,
+)
+from jaxrl_tools.tools.calculator import CalculatorError
+
+
+def arun(coro):
+    return asyncio.run(coro)
+
+
+# --------------------------------------------------------------------------- calculator
+@pytest.mark.parametrize("expr,value", [
+    ("1 + 2 * 3", 7), ("(1 + 2) * 3", 9), ("2 ** 10", 1024), ("2 ^ 10", 1024), ("-3 // 2", -2),
+    ("7 % 3", 1), ("sqrt(16) + abs(-2)", 6.0), ("factorial(5)", 120), ("round(pi, 3)", 3.142),
+    ("max(1, 5, 3)", 5), ("log(e)", 1.0), ("10 / 4", 2.5),
+])
+def test_calculator_values(expr, value):
+    assert safe_eval(expr) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("expr,needle", [
+    ("__import__('os')", "unknown function '__import__'"),
+    ("__import__('os').system('id')", "unsupported syntax: Call"),
+    ("(1).__class__", "unsupported syntax: Attribute"),
+    ("x + 1", "unknown name 'x'"),
+    ("9 ** 9 ** 9", "too large"),
+    ("10 ** 100000", "too large"),
+    ("factorial(100000)", "factorial needs one integer <= 500"),
+    ("1 / 0", "division by zero"),
+    ("2.0 ** 100000", "exponent too large"),
+    ("[1, 2]", "unsupported syntax: List"),
+    ("lambda: 1", "unsupported syntax: Lambda"),
+    ("1 +", "invalid expression"),
+    ("1" * 2000, "longer than 1000"),
+    ("sqrt(-1)", "sqrt: math domain error"),
+])
+def test_calculator_rejects(expr, needle):
+    with pytest.raises(CalculatorError, match=None) as ei:
+        safe_eval(expr)
+    assert needle in str(ei.value)
+
+
+def test_calculator_tool_errors_are_data():
+    tool = CalculatorTool()
+    ok = arun(tool.call({"expression": "3 * (4 + 5)"}))
+    bad = arun(tool.call({"expression": "open('x')"}))
+    assert ok.ok and ok.text == "27" and ok.latency_s >= 0
+    assert not bad.ok and bad.text.startswith("Error: unknown function 'open'")
+    assert arun(tool.call({"expression": "1/3"})).text == "0.333333333333"
+
+
+# --------------------------------------------------------------------------- function_tool
+def test_function_tool_schema_and_call():
+    def get_weather(city: str, unit: Literal["c", "f"] = "c", days: int | None = None,
+                    tags: list[str] | None = None) -> dict:
+        """Get the weather forecast.
+
+        Looks it up in a table.
+
+        Args:
+          city: Name of the city,
+            e.g. Paris.
+          unit (str): Temperature unit.
+          days: How many days.
+        """
+        return {"city": city, "unit": unit, "days": days}
+
+    tool = function_tool(get_weather)
+    fn = tool.schema()["function"]
+    assert fn["name"] == "get_weather"
+    assert fn["description"] == "Get the weather forecast.\n\nLooks it up in a table."
+    props = fn["parameters"]["properties"]
+    assert props["city"] == {"type": "string", "description": "Name of the city, e.g. Paris."}
+    assert props["unit"] == {"enum": ["c", "f"], "description": "Temperature unit."}
+    assert props["days"] == {"type": "integer", "description": "How many days."}
+    assert props["tags"] == {"type": "array", "items": {"type": "string"}}
+    assert fn["parameters"]["required"] == ["city"]
+    obs = arun(tool.call({"city": "Zürich", "days": 2}))
+    assert obs.ok and json.loads(obs.text) == {"city": "Zürich", "unit": "c", "days": 2}
+
+
+def test_function_tool_async_decorator_and_errors():
+    @function_tool(name="div")
+    async def divide(a: float, b: float) -> float:
+        """Divide a by b."""
+        return a / b
+
+    assert divide.name == "div" and divide.parameters["required"] == ["a", "b"]
+    assert arun(divide.call({"a": 1, "b": 4})).text == "0.25"
+    err = arun(divide.call({"a": 1, "b": 0}))
+    assert not err.ok and err.text == "Error: ZeroDivisionError: division by zero"
+
+
+# --------------------------------------------------------------------------- executor
+class Echo(Tool):
+    name = "echo"
+    parameters = {"type": "object", "additionalProperties": False,
+                  "properties": {"text": {"type": "string"}, "n": {"type": "integer"},
+                                 "mode": {"enum": ["a", "b"]},
+                                 "xs": {"type": "array", "items": {"type": "number"}}},
+                  "required": ["text"]}
+
+    async def _call(self, arguments, session_id):
+        if arguments["text"] == "boom":
+            raise RuntimeError("kaboom")
+        return Observation(arguments["text"] * arguments.get("n", 1))
+
+
+@pytest.mark.parametrize("call,needle", [
+    (ToolCall("nope", {}), "unknown tool 'nope'; available tools: calculator, echo"),
+    (ToolCall("echo", {}), "missing required argument 'text'"),
+    (ToolCall("echo", {"text": 3}), "text must be of type string, got integer"),
+    (ToolCall("echo", {"text": "a", "n": "2"}), "n must be of type integer, got string"),
+    (ToolCall("echo", {"text": "a", "n": True}), "n must be of type integer, got boolean"),
+    (ToolCall("echo", {"text": "a", "mode": "c"}), "mode must be one of ['a', 'b']"),
+    (ToolCall("echo", {"text": "a", "xs": [1, "x"]}), "xs[1] must be of type number"),
+    (ToolCall("echo", {"text": "a", "extra": 1}), "unknown argument 'extra'"),
+    (ToolCall("echo", {"text": "boom"}), "Error in tool 'echo': RuntimeError: kaboom"),
+])
+def test_executor_errors_are_observations(call, needle):
+    ex = ToolExecutor([Echo(), CalculatorTool()], max_concurrency=2)
+    obs = arun(ex.execute(call, "s"))
+    assert not obs.ok and needle in obs.text, obs.text
+
+
+def test_executor_runs_calls_concurrently_in_order():
+    class Slow(Tool):
+        name = "slow"
+        parameters = {"type": "object", "properties": {"t": {"type": "number"}}}
+
+        async def _call(self, arguments, session_id):
+            await asyncio.sleep(arguments["t"])
+            return Observation(str(arguments["t"]))
+
+    ex = ToolExecutor([Slow(), Echo()], max_concurrency=8, timeout_s=0.5)
+    calls = [ToolCall("slow", {"t": 0.2}), ToolCall("slow", {"t": 0.1}),
+             ToolCall("echo", {"text": "ab", "n": 2}), ToolCall("slow", {"t": 2.0})]
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        out = await ex.execute_many(calls, "s")
+        return out, loop.time() - t0
+
+    out, dt = arun(go())
+    assert [o.text for o in out[:3]] == ["0.2", "0.1", "abab"]
+    assert not out[3].ok and "timed out" in out[3].text and out[3].metrics["timeout"] == 1.0
+    assert dt < 1.0
+    assert [s["function"]["name"] for s in ex.schemas()] == ["slow", "echo"]
+
+
+def test_validate_arguments_accepts_integral_float_for_integer():
+    assert validate_arguments({"n": 2.0}, {"type": "object", "properties":
+                                           {"n": {"type": "integer"}}}) is None
+
+
+# --------------------------------------------------------------------------- registry / YAML
+def test_registry_and_yaml(tmp_path):
+    assert {"python", "search", "calculator"} <= set(TOOL_REGISTRY)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": 0, "title": "Paris", "text": "capital of France"}) + "\n")
+    yaml_text = f"""
+tools:
+  - class_name: calculator
+    config: {{type: native}}
+    tool_schema:
+      type: function
+      function:
+        name: calc
+        description: arithmetic
+        parameters: {{type: object, properties: {{expression: {{type: string}}}},
+                     required: [expression]}}
+  - class_name: jaxrl_tools.tools.search.SearchTool
+    config: {{corpus_path: {corpus}, top_k: 1, cache_dir: {tmp_path / 'cache'}}}
+"""
+    path = tmp_path / "tools.yaml"
+    path.write_text(yaml_text)
+    tools = load_tools_yaml(path)
+    assert [t.name for t in tools] == ["calc", "search"]
+    assert tools[0].schema()["function"]["description"] == "arithmetic"
+    ex = ToolExecutor(tools)
+    assert arun(ex.execute(ToolCall("calc", {"expression": "2+2"}))).text == "4"
+    with pytest.raises(ValueError, match="unknown tool class 'nope'"):
+        create_tool("nope")
+    with pytest.raises(ValueError, match="bad config for tool 'calculator'"):
+        create_tool("calculator", {"bogus": 1})
+    with pytest.raises(ValueError, match="keys must be class_name"):
+        load_tools_yaml("tools:\n  - {klass: calculator}\n")
+
+
+# --------------------------------------------------------------------------- search
+PASSAGES = [
+    ("Eiffel Tower", "The Eiffel Tower is a wrought-iron lattice tower in Paris, France."),
+    ("Mount Everest", "Mount Everest is Earth's highest mountain above sea level."),
+    ("Python (language)", "Python is a programming language created by Guido van Rossum."),
+    ("Great Wall", "The Great Wall of China is a series of fortifications in northern China."),
+    ("Amazon River", "The Amazon is the largest river by discharge volume of water."),
+]
+
+
+def _write_corpus(path, wiki_format=False):
+    with open(path, "w") as fh:
+        for i, (t, x) in enumerate(PASSAGES):
+            row = {"id": str(i), "contents": f'"{t}"\n{x}'} if wiki_format else \
+                {"id": str(i), "title": t, "text": x}
+            fh.write(json.dumps(row) + "\n")
+
+
+def test_bm25_returns_right_passage_and_caches(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    _write_corpus(corpus, wiki_format=True)
+    cache = tmp_path / "cache"
+    tool = SearchTool(str(corpus), top_k=2, cache_dir=str(cache))
+    assert not tool.index.loaded_from_cache
+    obs = arun(tool.call({"query": "who created the python programming language?"}))
+    assert obs.ok
+    first = obs.text.splitlines()[0]
+    assert first == ("Doc 1(Title: Python (language)) Python is a programming language created "
+                     "by Guido van Rossum.")
+    again = BM25Index(corpus, cache)
+    assert again.loaded_from_cache and again.search("highest mountain", 1)[0][0] == 1
+    assert arun(tool.call({"query": "zzzz qqqq"})).text == "No results found."
+    assert not arun(tool.call({"query": "  "})).ok
+    _write_corpus(corpus)  # changed corpus -> new hash -> new index
+    assert not BM25Index(corpus, cache).loaded_from_cache
+
+
+def test_bm25_bad_corpus_names_line(tmp_path):
+    corpus = tmp_path / "bad.jsonl"
+    corpus.write_text('{"title": "a", "text": "b"}\n{oops\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: invalid JSON"):
+        BM25Index(corpus, tmp_path / "cache")
+
+
+# --------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def pool():
+    p = SandboxPool(1, SandboxConfig(timeout_s=2.0))
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("protocol,segment", [
+    ("torl", "Compute.\n```python\nimport sympy\nprint(sympy.factorint(360))\n```\n```output"),
+    ("retool", "<code>\n```python\nimport sympy\nprint(sympy.factorint(360))\n```\n</code>"),
+    ("qwen", '<tool_call>{"name": "code_interpreter", "arguments": {"code": '
+             '"import sympy\\nprint(sympy.factorint(360))"}}</tool_call>'),
+])
+def test_parse_execute_format_python(pool, protocol, segment):
+    tool = PythonTool(pool=pool, tool_schema=None)
+    name = "code_interpreter" if protocol == "qwen" else "python"
+    if name != tool.name:
+        tool.name = name
+    parser = get_parser(protocol)
+    ex = ToolExecutor([tool])
+    r = parser.parse(segment)
+    assert r.ok, r.error
+    obs = arun(ex.execute_many(r.calls, "traj"))
+    assert obs[0].ok and obs[0].text.strip() == "{2: 3, 3: 2, 5: 1}"
+    assert "{2: 3, 3: 2, 5: 1}" in parser.format_observation([o.text for o in obs])
+
+
+def test_python_tool_error_timeout_and_truncation(pool):
+    tool = PythonTool(pool=pool, max_output_chars=50, timeout_s=1.0)
+    err = arun(tool.call({"code": "print('partial')\nraise ValueError('bad value')"}))
+    assert not err.ok and err.text == "partial\nValueError: bad value"
+    slow = arun(tool.call({"code": "while True: pass"}))
+    assert not slow.ok and "time limit" in slow.text and slow.metrics["timeout"] == 1.0
+    long = arun(tool.call({"code": "print('a' * 100 + 'b' * 100)"}))
+    assert long.ok and len(long.text) == 50 and "..." in long.text
+    assert not arun(tool.call({"code": 5})).ok
+    with pytest.raises(ValueError, match="mode='repl'"):
+        PythonTool(mode="repl", pool=pool)

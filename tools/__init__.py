@@ -1,0 +1,49 @@
+"""Tools for tool-using RL: protocol, parsers, sandboxed Python, search, calculator.
+
+Public API (see each module's docstring):
+  Observation, Tool, register_tool, create_tool, load_tools_yaml, TOOL_REGISTRY,
+  truncate_middle, last_traceback_line                       (base)
+  ToolCall, ParseResult, get_parser + the parser classes      (parsers)
+  ToolExecutor, validate_arguments                            (executor)
+  SandboxConfig, SandboxUnavailableError, check_isolation     (sandbox)
+  SandboxPool, ExecResult, run_code, run_code_sync            (pool; Sandbox Fusion shape)
+  PythonTool, SearchTool, BM25Index, CalculatorTool, safe_eval, function_tool
+"""
+
+from jaxrl_tools.tools.base import (
+    TOOL_REGISTRY,
+    Observation,
+    Tool,
+    create_tool,
+    last_traceback_line,
+    load_tools_yaml,
+    register_tool,
+    truncate_middle,
+)
+from jaxrl_tools.tools.calculator import CalculatorError, CalculatorTool, safe_eval
+from jaxrl_tools.tools.executor import ToolExecutor, validate_arguments
+from jaxrl_tools.tools.functions import FunctionTool, function_tool
+from jaxrl_tools.tools.parsers import (
+    Parser,
+    ParseResult,
+    QwenParser,
+    ReToolParser,
+    SearchR1Parser,
+    ToolCall,
+    ToRLParser,
+    get_parser,
+)
+from jaxrl_tools.tools.pool import ExecResult, SandboxPool, run_code, run_code_sync
+from jaxrl_tools.tools.python_tool import PythonTool
+from jaxrl_tools.tools.sandbox import SandboxConfig, SandboxUnavailableError, check_isolation
+from jaxrl_tools.tools.search import BM25Index, SearchTool, format_passages
+
+__all__ = [
+    "TOOL_REGISTRY", "BM25Index", "CalculatorError", "CalculatorTool", "ExecResult",
+    "FunctionTool", "Observation", "ParseResult", "Parser", "PythonTool", "QwenParser",
+    "ReToolParser", "SandboxConfig", "SandboxPool", "SandboxUnavailableError", "SearchR1Parser",
+    "SearchTool", "ToRLParser", "Tool", "ToolCall", "ToolExecutor", "check_isolation",
+    "create_tool", "format_passages", "function_tool", "get_parser", "last_traceback_line",
+    "load_tools_yaml", "register_tool", "run_code", "run_code_sync", "safe_eval",
+    "truncate_middle", "validate_arguments",
+]

@@ -1,0 +1,173 @@
+"""ToolExecutor: validates a parsed call against its tool's schema and runs it, concurrently."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from jaxrl_tools.tools.base import Observation, Tool
+from jaxrl_tools.tools.parsers import ToolCall
+
+_TYPES = {
+    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
+    "array": (list, tuple), "object": (dict,), "null": (type(None),),
+}
+
+
+def validate_arguments(arguments, schema: dict, path: str = "arguments") -> str | None:
+    """Checks `arguments` against a JSON-schema subset; returns an error message or None.
+
+    Supported: type (one or a list), properties, required, additionalProperties (False),
+    enum, items, minimum/maximum, minLength/maxLength. Unknown keywords are ignored.
+    """
+    types = schema.get("type")
+    if types is not None:
+        tlist = [types] if isinstance(types, str) else list(types)
+        ok = False
+        for t in tlist:
+            py = _TYPES.get(t)
+            if py is None:
+                continue
+            if isinstance(arguments, bool) and t in ("integer", "number"):
+                continue  # JSON true is not a number
+            if t == "integer" and isinstance(arguments, float) and arguments.is_integer():
+                ok = True
+                break
+            if isinstance(arguments, py):
+                ok = True
+                break
+        if not ok:
+            return f"{path} must be of type {' or '.join(tlist)}, got " \
+                   f"{_json_type(arguments)} ({_short(arguments)})"
+    if "enum" in schema and arguments not in schema["enum"]:
+        return f"{path} must be one of {schema['enum']}, got {_short(arguments)}"
+    if isinstance(arguments, (int, float)) and not isinstance(arguments, bool):
+        if "minimum" in schema and arguments < schema["minimum"]:
+            return f"{path} must be >= {schema['minimum']}, got {arguments}"
+        if "maximum" in schema and arguments > schema["maximum"]:
+            return f"{path} must be <= {schema['maximum']}, got {arguments}"
+    if isinstance(arguments, str):
+        if "minLength" in schema and len(arguments) < schema["minLength"]:
+            return f"{path} must have at least {schema['minLength']} characters"
+        if "maxLength" in schema and len(arguments) > schema["maxLength"]:
+            return f"{path} must have at most {schema['maxLength']} characters"
+    if isinstance(arguments, dict):
+        props = schema.get("properties", {})
+        for req in schema.get("required", []):
+            if req not in arguments:
+                return f"missing required argument {_join(path, req)!r}"
+        if schema.get("additionalProperties") is False:
+            extra = sorted(set(arguments) - set(props))
+            if extra:
+                return f"unknown argument {_join(path, extra[0])!r}; expected: {sorted(props)}"
+        for k, v in arguments.items():
+            if k in props:
+                err = validate_arguments(v, props[k], _join(path, k))
+                if err:
+                    return err
+    if isinstance(arguments, (list, tuple)) and isinstance(schema.get("items"), dict):
+        for i, v in enumerate(arguments):
+            err = validate_arguments(v, schema["items"], f"{path}[{i}]")
+            if err:
+                return err
+    return None
+
+
+def _join(path: str, key: str) -> str:
+    return key if path == "arguments" else f"{path}.{key}"
+
+
+def _json_type(x) -> str:
+    for name, py in (("boolean", bool), ("integer", int), ("number", float), ("string", str),
+                     ("array", (list, tuple)), ("object", dict), ("null", type(None))):
+        if isinstance(x, py):
+            return name
+    return type(x).__name__
+
+
+def _short(x) -> str:
+    s = repr(x)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+class ToolExecutor:
+    """Runs parsed tool calls against a set of tools.
+
+    Args:
+      tools: the tools, looked up by `tool.name` (names must be unique).
+      max_concurrency: calls running at once across all trajectories (others wait).
+      timeout_s: optional overall limit per call; exceeding it yields an error Observation.
+    """
+
+    def __init__(self, tools: list[Tool], max_concurrency: int = 64,
+                 timeout_s: float | None = None):
+        self.tools: dict[str, Tool] = {}
+        for t in tools:
+            if t.name in self.tools:
+                raise ValueError(f"duplicate tool name {t.name!r}")
+            self.tools[t.name] = t
+        self.max_concurrency = int(max_concurrency)
+        self.timeout_s = timeout_s
+        self._sems: dict[int, asyncio.Semaphore] = {}
+
+    def schemas(self) -> list[dict]:
+        """The function declarations of all tools (for the chat template's system turn)."""
+        return [t.schema() for t in self.tools.values()]
+
+    def _sem(self) -> asyncio.Semaphore:
+        # One semaphore per event loop: a Semaphore must not be shared across loops.
+        loop = asyncio.get_running_loop()
+        sem = self._sems.get(id(loop))
+        if sem is None:
+            sem = self._sems[id(loop)] = asyncio.Semaphore(self.max_concurrency)
+        return sem
+
+    async def execute(self, call: ToolCall, session_id: str | None = None) -> Observation:
+        """Validates and runs one call; every failure is an Observation with ok=False."""
+        t0 = time.monotonic()
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return Observation(
+                text=f"Error: unknown tool {call.name!r}; available tools: "
+                     f"{', '.join(sorted(self.tools)) or '(none)'}", ok=False,
+                latency_s=time.monotonic() - t0, metrics={"unknown_tool": 1.0})
+        if not isinstance(call.arguments, dict):
+            err = f"arguments must be a JSON object, got {_json_type(call.arguments)}"
+        else:
+            err = validate_arguments(call.arguments, tool.parameters or {"type": "object"})
+        if err:
+            return Observation(text=f"Error: invalid call to {call.name!r}: {err}", ok=False,
+                               latency_s=time.monotonic() - t0, metrics={"invalid_args": 1.0})
+        async with self._sem():
+            try:
+                coro = tool.call(call.arguments, session_id)
+                obs = await (asyncio.wait_for(coro, self.timeout_s) if self.timeout_s else coro)
+            except TimeoutError:
+                obs = Observation(text=f"Error: tool {call.name!r} timed out after "
+                                       f"{self.timeout_s} s", ok=False, metrics={"timeout": 1.0})
+            except Exception as e:  # noqa: BLE001 -- errors are data
+                obs = Observation(text=f"Error in tool {call.name!r}: {type(e).__name__}: {e}",
+                                  ok=False)
+        obs.latency_s = time.monotonic() - t0
+        return obs
+
+    async def execute_many(self, calls: list[ToolCall],
+                           session_id: str | None = None) -> list[Observation]:
+        """Runs several calls of one turn concurrently, results in call order."""
+        return list(await asyncio.gather(*(self.execute(c, session_id) for c in calls)))
+
+    async def close_session(self, session_id: str) -> None:
+        """Ends one trajectory's state in every tool."""
+        for t in self.tools.values():
+            try:
+                await t.close_session(session_id)
+            except Exception:  # noqa: BLE001,S110 -- closing must not fail the rollout
+                pass
+
+    async def close(self) -> None:
+        """Closes every tool."""
+        for t in self.tools.values():
+            try:
+                await t.close()
+            except Exception:  # noqa: BLE001,S110
+                pass

@@ -110,7 +110,7 @@ def apply_update(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"grad_norm": optax.global_norm(grads), "update_norm": optax.global_norm(updates)}
+    metrics = {"grad_norm": optax.tree.norm(grads), "update_norm": optax.tree.norm(updates)}
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 

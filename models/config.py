@@ -58,13 +58,13 @@ class ModelConfig:
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
-    head_dim: int
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    qk_norm: bool = False
+    attention_bias: bool | None = None  # None: the family's (qwen2: True, else False)
+    qk_norm: bool | None = None  # None: the family's (qwen3: True, else False)
     max_position_embeddings: int = 32768
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -76,6 +76,13 @@ class ModelConfig:
                 f"model_type {self.model_type!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        # Resolve family defaults (the dataclass is frozen, hence object.__setattr__).
+        if self.head_dim is None and isinstance(self.num_attention_heads, int):
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.attention_bias is None:
+            object.__setattr__(self, "attention_bias", self.model_type == "qwen2")
+        if self.qk_norm is None:
+            object.__setattr__(self, "qk_norm", self.model_type == "qwen3")
         for name in (*_REQUIRED, "num_key_value_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -240,6 +247,8 @@ class ModelConfig:
             "attention_dropout": 0.0,
             "use_cache": True,
         }
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
         if self.model_type != "qwen2":
             out["attention_bias"] = self.attention_bias
         if self.model_type == "llama":

@@ -44,6 +44,20 @@ def _param(module: nn.Module, name: str, init, shape, axes, dtype):
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
 
+class Weight(nn.Module):
+    """A module holding one named matrix (embed/embedding, lm_head/kernel); returns it."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    param_name: str
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self):
+        return _param(self, self.param_name, nn.initializers.normal(_INIT_STD), self.shape,
+                      self.axes, self.param_dtype)
+
+
 class RMSNorm(nn.Module):
     """RMS norm as in transformers: normalise in float32, cast back, then scale."""
 
@@ -187,12 +201,13 @@ class Decoder(nn.Module):
 
     config: ModelConfig
     param_dtype: Any = jnp.float32
+    remat: bool = False  # recompute each layer's activations in the backward pass
 
     @nn.compact
     def __call__(self, ids_BT, positions_BT, mask_BTS, cache=None, write_pos_BT=None):
         cfg, pd = self.config, self.param_dtype
-        embedding = _param(self, "embedding", nn.initializers.normal(_INIT_STD),
-                           (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
+        embedding = Weight((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), "embedding", pd,
+                           name="embed")()
         # The compute dtype follows the parameters (bfloat16 params -> bfloat16 compute).
         h = constrain(jnp.take(embedding, ids_BT, axis=0), ("batch", "length", "embed"))
 
@@ -206,8 +221,9 @@ class Decoder(nn.Module):
                 jnp.float32
             )
 
+        layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if self.remat else DecoderLayer
         layers = nn.scan(
-            DecoderLayer,
+            layer_cls,
             variable_axes={"params": 0},
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
@@ -218,28 +234,10 @@ class Decoder(nn.Module):
             (h, cache), jnp.arange(cfg.num_hidden_layers), cos, sin, mask_BTS, write_pos_BT
         )
         h = RMSNorm(cfg.rms_norm_eps, "embed", pd, name="final_norm")(h)
-        if not cfg.tie_word_embeddings:
-            _param(self, "lm_head", nn.initializers.normal(_INIT_STD),
-                   (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
+        if not cfg.tie_word_embeddings:  # created here, applied by `forward` (see `unembed`)
+            Weight((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), "kernel", pd,
+                   name="lm_head")()
         return h, cache
-
-
-# The Decoder's own names are flat ("embedding", "lm_head"); the public tree nests them so that
-# every parameter is a dict of named leaves (embed/embedding, lm_head/kernel).
-def _to_public(p: Params) -> Params:
-    out = {k: v for k, v in p.items() if k not in ("embedding", "lm_head")}
-    out["embed"] = {"embedding": p["embedding"]}
-    if "lm_head" in p:
-        out["lm_head"] = {"kernel": p["lm_head"]}
-    return out
-
-
-def _to_module(p: Params) -> Params:
-    out = {k: v for k, v in p.items() if k not in ("embed", "lm_head")}
-    out["embedding"] = p["embed"]["embedding"]
-    if "lm_head" in p:
-        out["lm_head"] = p["lm_head"]["kernel"]
-    return out
 
 
 def _boxed_shapes(config: ModelConfig, dtype) -> Params:
@@ -260,7 +258,7 @@ def _logical_axes_cached(config: ModelConfig):
             raise ValueError(f"parameter {jax.tree_util.keystr(path)} has no logical axes")
         return tuple(leaf.names)
 
-    return _to_public(jax.tree_util.tree_map_with_path(names, boxed, is_leaf=is_box))
+    return jax.tree_util.tree_map_with_path(names, boxed, is_leaf=is_box)
 
 
 def logical_axes(config: ModelConfig) -> Params:
@@ -269,13 +267,14 @@ def logical_axes(config: ModelConfig) -> Params:
     Raises:
       ValueError: a parameter was declared without logical axes.
     """
-    return jax.tree.map(lambda x: x, _logical_axes_cached(config), is_leaf=lambda x: (
-        isinstance(x, tuple)))
+    # A copy: the cached tree must not be mutated by callers.
+    return jax.tree.map(lambda x: x, _logical_axes_cached(config),
+                        is_leaf=lambda x: isinstance(x, tuple))
 
 
 def param_shapes(config: ModelConfig, dtype=jnp.float32) -> Params:
     """ShapeDtypeStructs of the parameters (no memory allocated)."""
-    return _to_public(nn.unbox(_boxed_shapes(config, dtype)))
+    return nn.unbox(_boxed_shapes(config, dtype))
 
 
 def init_params(config: ModelConfig, rng: jax.Array, *, dtype=jnp.float32, mesh=None, rules=None
@@ -297,7 +296,7 @@ def init_params(config: ModelConfig, rng: jax.Array, *, dtype=jnp.float32, mesh=
 
     def init(key):
         boxed = Decoder(config, dtype).init(key, ids, ids, mask)["params"]
-        return _to_public(nn.unbox(boxed))
+        return nn.unbox(boxed)
 
     if mesh is None:
         return jax.jit(init)(rng)
@@ -306,10 +305,11 @@ def init_params(config: ModelConfig, rng: jax.Array, *, dtype=jnp.float32, mesh=
     return sharded_init(init, logical_axes(config), mesh, rng, rules=rules)
 
 
-def _apply(config, params, ids_BT, positions_BT, mask_BTS, cache=None, write_pos_BT=None):
+def _apply(config, params, ids_BT, positions_BT, mask_BTS, cache=None, write_pos_BT=None,
+           remat=False):
     dtype = params["embed"]["embedding"].dtype
-    return Decoder(config, dtype).apply(
-        {"params": _to_module(params)}, ids_BT, positions_BT, mask_BTS, cache, write_pos_BT
+    return Decoder(config, dtype, remat).apply(
+        {"params": params}, ids_BT, positions_BT, mask_BTS, cache, write_pos_BT
     )
 
 
@@ -319,7 +319,7 @@ def default_positions(attention_mask_BT: jax.Array) -> jax.Array:
 
 
 def hidden_states(config: ModelConfig, params: Params, input_ids_BT: jax.Array, *,
-                  attention_mask=None, positions=None) -> jax.Array:
+                  attention_mask=None, positions=None, remat: bool = False) -> jax.Array:
     """Hidden states after the final norm, h_BTD in the compute dtype (= the params' dtype).
 
     Token t attends to tokens t' <= t of its row whose attention_mask is 1; `positions` only
@@ -331,6 +331,7 @@ def hidden_states(config: ModelConfig, params: Params, input_ids_BT: jax.Array, 
       input_ids_BT: int token ids [B, T].
       attention_mask: [B, T], 1 for real tokens, 0 for padding (default all ones).
       positions: [B, T] rotary positions (default cumsum(attention_mask) - 1).
+      remat: rematerialise each layer in the backward pass (less memory, more compute).
 
     Returns:
       h_BTD with logits = h_BTD @ unembed(config, params).
@@ -342,7 +343,7 @@ def hidden_states(config: ModelConfig, params: Params, input_ids_BT: jax.Array, 
         positions = default_positions(attention_mask)
     causal_TT = jnp.tril(jnp.ones((T, T), bool))
     mask_BTS = causal_TT[None] & (attention_mask[:, None, :] > 0)
-    h, _ = _apply(config, params, input_ids_BT, positions, mask_BTS)
+    h, _ = _apply(config, params, input_ids_BT, positions, mask_BTS, remat=remat)
     return h
 
 
@@ -360,7 +361,7 @@ def _logits(config, params, h_BTD):
 
 
 def forward(config: ModelConfig, params: Params, input_ids_BT: jax.Array, *,
-            attention_mask=None, positions=None) -> jax.Array:
+            attention_mask=None, positions=None, remat: bool = False) -> jax.Array:
     """Logits of a (possibly left-padded) batch.
 
     Args:
@@ -369,12 +370,13 @@ def forward(config: ModelConfig, params: Params, input_ids_BT: jax.Array, *,
       input_ids_BT: int token ids [B, T].
       attention_mask: [B, T], 1 for real tokens, 0 for padding (default all ones).
       positions: [B, T] rotary positions (default cumsum(attention_mask) - 1).
+      remat: rematerialise each layer in the backward pass (less memory, more compute).
 
     Returns:
       logits_BTV in float32 (rows at padding positions are meaningless but finite).
     """
     h = hidden_states(config, params, input_ids_BT, attention_mask=attention_mask,
-                      positions=positions)
+                      positions=positions, remat=remat)
     return _logits(config, params, h)
 
 

@@ -1,5 +1,6 @@
 """jaxrl_tools.models: parity with transformers (PyTorch), KV cache, HF I/O, errors."""
 
+import dataclasses
 import json
 import os
 
@@ -273,6 +274,10 @@ def test_load_config_transformers_4x_and_5x_spellings(tmp_path):
     assert M.ModelConfig.from_hf(c5.to_hf()) == c5
     plain = M.ModelConfig.from_hf(dict(base, model_type="qwen2", rope_theta=1e6))
     assert plain.rope_scaling is None and plain.attention_bias and not plain.qk_norm
+    # Family defaults when built directly: head_dim, qwen2 q/k/v bias, qwen3 q/k norm.
+    assert M.ModelConfig("qwen2", 256, 64, 128, 2, 4, 2) == dataclasses.replace(plain, rope_theta=1e4)
+    q3 = M.ModelConfig("qwen3", 256, 64, 128, 2, 4, 2)
+    assert (q3.head_dim, q3.qk_norm, q3.attention_bias) == (16, True, False)
     # What transformers 5.x itself writes.
     transformers.Qwen3Config(**{k: v for k, v in base.items() if k != "model_type"},
                              head_dim=16, rope_theta=1e6).save_pretrained(tmp_path)
@@ -359,3 +364,26 @@ def test_init_params_matches_shapes_axes_and_transformers_init():
     assert abs(q.std() - 0.02) < 0.002 and not np.array_equal(q[0], q[1])  # layers differ
     assert (np.asarray(params["final_norm"]["scale"]) == 1).all()
     assert not np.asarray(params["layers"]["attn"]["k_proj"]["bias"], np.float32).any()
+
+
+def test_remat_gradients_match_finite_differences(loaded):
+    _, _, config, params = loaded("qwen3-4:1-untied")
+    _, ids, mask = _left_padded((12, 7), 12)
+
+    def loss(p, remat):
+        logits = M.forward(config, p, jnp.asarray(ids), attention_mask=jnp.asarray(mask),
+                           remat=remat)
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        nll = -jnp.take_along_axis(logp, jnp.asarray(ids)[:, 1:, None], -1)[..., 0]
+        return (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+
+    g = jax.jit(jax.grad(loss), static_argnums=1)(params, True)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
+    assert np.abs(np.asarray(g["layers"]["attn"]["q_norm"]["scale"])).max() > 0
+    # Directional derivative along the gradient: (L(p + eps g) - L(p - eps g)) / 2 eps = |g|^2.
+    f = jax.jit(loss, static_argnums=1)
+    eps = 1e-3
+    shifted = lambda sign: jax.tree.map(lambda x, d: x + sign * eps * d, params, g)
+    numeric = (f(shifted(1), False) - f(shifted(-1), False)) / (2 * eps)
+    exact = sum(float((x**2).sum()) for x in jax.tree.leaves(g))
+    assert abs(float(numeric) - exact) <= 2e-2 * exact

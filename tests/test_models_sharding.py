@@ -83,6 +83,11 @@ def test_sharded_logits_equal_single_device(report, mesh):
     assert r["cached_max_abs_diff"] <= 1e-5
 
 
+def test_mesh_that_does_not_divide_a_parameter_is_an_error(report):
+    error = report["default_rules_1x1x8_error"]
+    assert error is not None and "k_proj" in error and "size 4" in error, error
+
+
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_loaded_params_are_placed_by_the_rules(report, mesh):
     expected = {k: str(v) for k, v in _specs(MESHES[mesh]).items()}
@@ -144,6 +149,11 @@ def _main(out_dir: str) -> None:
 
     ref_logits, ref_cached, _, _ = run(None, None)
     report = {}
+    try:  # 4 kv heads over 8 tensor devices: an error naming the parameter, before any read
+        M.from_pretrained(folder, mesh=make_mesh("1x1x8"))
+        report["default_rules_1x1x8_error"] = None
+    except ValueError as e:
+        report["default_rules_1x1x8_error"] = str(e)
     for shape, rules in MESHES.items():
         logits, cached, specs, cache_spec = run(make_mesh(shape), rules)
         valid = mask.astype(bool)

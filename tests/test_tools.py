@@ -294,3 +294,9 @@ def test_python_tool_error_timeout_and_truncation(pool):
     assert not arun(tool.call({"code": 5})).ok
     with pytest.raises(ValueError, match="mode='repl'"):
         PythonTool(mode="repl", pool=pool)
+
+
+def test_python_tool_keeps_output_printed_before_timeout(pool):
+    tool = PythonTool(pool=pool, timeout_s=1.0)
+    obs = arun(tool.call({"code": "import time\nprint('step 1')\ntime.sleep(5)"}))
+    assert not obs.ok and obs.text.startswith("step 1\n") and "time limit" in obs.text

@@ -6,7 +6,7 @@ Public API (see each module's docstring):
   ToolCall, ParseResult, get_parser + the parser classes      (parsers)
   ToolExecutor, validate_arguments                            (executor)
   SandboxConfig, SandboxUnavailableError, check_isolation     (sandbox)
-  SandboxPool, ExecResult, run_code, run_code_sync            (pool; Sandbox Fusion shape)
+  SandboxPool, ExecResult, run_code, run_code_sync, make_http_server (pool; Sandbox Fusion)
   PythonTool, SearchTool, BM25Index, CalculatorTool, safe_eval, function_tool
 """
 
@@ -33,7 +33,13 @@ from jaxrl_tools.tools.parsers import (
     ToRLParser,
     get_parser,
 )
-from jaxrl_tools.tools.pool import ExecResult, SandboxPool, run_code, run_code_sync
+from jaxrl_tools.tools.pool import (
+    ExecResult,
+    SandboxPool,
+    make_http_server,
+    run_code,
+    run_code_sync,
+)
 from jaxrl_tools.tools.python_tool import PythonTool
 from jaxrl_tools.tools.sandbox import SandboxConfig, SandboxUnavailableError, check_isolation
 from jaxrl_tools.tools.search import BM25Index, SearchTool, format_passages
@@ -44,6 +50,6 @@ __all__ = [
     "ReToolParser", "SandboxConfig", "SandboxPool", "SandboxUnavailableError", "SearchR1Parser",
     "SearchTool", "ToRLParser", "Tool", "ToolCall", "ToolExecutor", "check_isolation",
     "create_tool", "format_passages", "function_tool", "get_parser", "last_traceback_line",
-    "load_tools_yaml", "register_tool", "run_code", "run_code_sync", "safe_eval",
-    "truncate_middle", "validate_arguments",
+    "load_tools_yaml", "make_http_server", "register_tool", "run_code", "run_code_sync",
+    "safe_eval", "truncate_middle", "validate_arguments",
 ]

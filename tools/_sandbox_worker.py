@@ -221,6 +221,8 @@ class Worker:
         self.devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         self.to_delete: list[str] = []
         self.n = 0
+        # /tmp is the sandbox's own tmpfs under bwrap; a private base dir keeps unsafe mode sane.
+        self.base = tempfile.mkdtemp(prefix="sbx_", dir="/tmp")
 
     def hello(self) -> dict:
         return {"ok": True, "uid": os.getuid(), "euid": os.geteuid(), "pid": os.getpid(),
@@ -235,6 +237,7 @@ class Worker:
             try:
                 req = _recv(self.in_fd)
             except EOFError:
+                _rmtree(self.base)
                 return
             try:
                 resp = self.run(req)
@@ -252,7 +255,7 @@ class Worker:
         replay = list(req.get("replay") or [])
         total_timeout = timeout * (1 + len(replay))
         self.n += 1
-        workdir = f"/tmp/run_{self.n}"
+        workdir = f"{self.base}/run_{self.n}"
         os.mkdir(workdir, 0o700)
         for rel, data in (req.get("files") or {}).items():
             path = os.path.normpath(os.path.join(workdir, rel))
@@ -275,6 +278,11 @@ class Worker:
                 os.close(out_r)
                 os.close(err_r)
                 self._child(req, workdir, stdin_path, out_w, err_w, total_timeout, replay)
+            except BaseException as e:  # noqa: BLE001 -- setup failed: never run the code
+                try:
+                    os.write(2, f"SandboxError: snippet setup failed: {e!r}\n".encode())
+                except OSError:
+                    pass
             finally:
                 os._exit(120)
         os.close(out_w)
@@ -371,7 +379,9 @@ class Worker:
             self.seccomp.load()
         # Fresh interpreter-level state for the snippet (sys.argv, streams on the new fds).
         sys.stdin = open(0, closefd=False)
-        sys.stdout = open(1, "w", closefd=False, buffering=1 if req.get("line_buffered") else -1)
+        # Line-buffered by default: what was printed before a timeout kill is still returned.
+        line = 1 if req.get("line_buffered", True) else -1
+        sys.stdout = open(1, "w", closefd=False, buffering=line)
         sys.stderr = open(2, "w", closefd=False)
         sys.argv = ["<snippet>"]
         sys.path.insert(0, workdir)

@@ -151,8 +151,8 @@ class SandboxPool:
             self._executor.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             workers, self._all = list(self._all), []
-        for w in workers:
-            w.kill()
+        with concurrent.futures.ThreadPoolExecutor(max(len(workers), 1)) as ex:
+            list(ex.map(lambda w: w.kill(graceful=True), workers))
         self._spawn_q.put(None)
 
     def __enter__(self):
@@ -331,3 +331,39 @@ async def run_code(request: dict, pool: SandboxPool) -> dict:
 def run_code_sync(request: dict, pool: SandboxPool) -> dict:
     """Blocking `run_code`."""
     return asyncio.run(run_code(request, pool))
+
+
+def make_http_server(pool: SandboxPool, host: str = "127.0.0.1", port: int = 8080):
+    """A Sandbox-Fusion-compatible HTTP front: POST /run_code with the request JSON.
+
+    Lets verl's SandboxFusionTool (sandbox_fusion_url=http://host:port/run_code) use our pool.
+    Call `.serve_forever()` on the result (in a thread), `.shutdown()` to stop; `port=0` picks a
+    free port (`server.server_address[1]`). Bind to localhost unless you add authentication.
+    """
+    import http.server
+    import json
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 -- http.server's naming
+            if self.path.rstrip("/") != "/run_code":
+                self.send_error(404, "only POST /run_code")
+                return
+            try:
+                n = int(self.headers.get("Content-Length", "0"))
+                req = json.loads(self.rfile.read(n) or b"{}")
+                if not isinstance(req, dict):
+                    raise ValueError("request body must be a JSON object")
+            except ValueError as e:
+                self.send_error(400, f"bad request: {e}")
+                return
+            body = json.dumps(run_code_sync(req, pool)).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, fmt, *args):
+            logger.debug("run_code http: " + fmt, *args)
+
+    return http.server.ThreadingHTTPServer((host, port), Handler)

@@ -12,7 +12,11 @@ Stack (default `isolation="bwrap"`, fail-closed), outermost first:
    holds only read-only binds of /usr (+ the /bin, /lib, ... links), /etc/ld.so.cache, the
    interpreter prefix and the venv, a private tmpfs /tmp, its own /proc and a minimal /dev; the
    environment is cleared; it dies with its parent.
-4. Inside, `_sandbox_worker.py` forks one child per snippet, which adds rlimits (CPU, address
+4. (root only, where the kernel has them) each worker gets its own memory + pids cgroup (v1
+   `memory`/`pids` hierarchies, or v2 with those controllers), so N forked snippets times their
+   address-space rlimit cannot exhaust host memory and forks are bounded across the sandbox.
+   Missing cgroup controllers only log a warning: rlimits and nproc still bound each snippet.
+5. Inside, `_sandbox_worker.py` forks one child per snippet, which adds rlimits (CPU, address
    space, nproc, fsize, nofile, core), a Landlock domain (writes only in its fresh work dir, no TCP,
    signals and abstract sockets scoped to itself) and a seccomp filter (no inet sockets, ptrace,
    mount, namespaces, bpf, ...). The worker SIGKILLs every other process of its pid namespace after
@@ -75,6 +79,9 @@ class SandboxConfig:
       preload: modules imported once by each worker (shared copy-on-write with snippets).
       extra_ro_binds: more host paths made visible read-only inside the sandbox.
       startup_timeout_s: how long a worker may take to start and report.
+      worker_memory_mb: memory cgroup limit of one worker with all its snippets (root only;
+        0 disables).
+      worker_pids: pids cgroup limit of one worker's sandbox (root only; 0 disables).
     """
 
     isolation: str = "bwrap"
@@ -91,6 +98,8 @@ class SandboxConfig:
     preload: tuple[str, ...] = ("math", "numpy", "sympy")
     extra_ro_binds: tuple[str, ...] = ()
     startup_timeout_s: float = 30.0
+    worker_memory_mb: int = 4096
+    worker_pids: int = 256
 
     def __post_init__(self):
         if self.isolation not in _ISOLATIONS:
@@ -144,8 +153,73 @@ def _python_paths() -> list[Path]:
     return out
 
 
-def build_command(config: SandboxConfig, worker_cfg: dict, script_fd: int) -> list[str]:
-    """The argv that starts one sandboxed worker (the worker source is read from `script_fd`)."""
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def make_cgroups(name: str, config: SandboxConfig) -> list[Path]:
+    """Creates this worker's memory/pids cgroups (v1 hierarchies or v2); [] if unavailable."""
+    wanted = {}
+    if config.worker_memory_mb > 0:
+        wanted["memory"] = config.worker_memory_mb * 2**20
+    if config.worker_pids > 0:
+        wanted["pids"] = config.worker_pids
+    made: list[Path] = []
+    v2 = _CGROUP_ROOT / "cgroup.controllers"
+    try:
+        if v2.exists():  # unified hierarchy
+            ctrls = set(v2.read_text().split())
+            if not set(wanted) <= ctrls:
+                return []
+            parent = _CGROUP_ROOT / "jaxrl_tools"
+            parent.mkdir(exist_ok=True)
+            (parent / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in wanted))
+            d = parent / name
+            d.mkdir(exist_ok=True)
+            made.append(d)
+            if "memory" in wanted:
+                (d / "memory.max").write_text(str(wanted["memory"]))
+                (d / "memory.swap.max").write_text("0")
+            if "pids" in wanted:
+                (d / "pids.max").write_text(str(wanted["pids"]))
+            return made
+        for ctrl, value in wanted.items():
+            base = _CGROUP_ROOT / ctrl
+            if not (base / "cgroup.procs").exists():
+                continue
+            d = base / "jaxrl_tools" / name
+            d.mkdir(parents=True, exist_ok=True)
+            made.append(d)
+            if ctrl == "memory":
+                (d / "memory.limit_in_bytes").write_text(str(value))
+            else:
+                (d / "pids.max").write_text(str(value))
+    except OSError as e:
+        logger.warning("sandbox cgroups unavailable (%s); rlimits still apply", e)
+        remove_cgroups(made)
+        return []
+    return made
+
+
+def remove_cgroups(dirs: list[Path]) -> None:
+    """Removes (empty) cgroups; retries briefly while their processes finish exiting."""
+    for d in dirs:
+        for _ in range(50):
+            try:
+                d.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.01)
+
+
+def build_command(config: SandboxConfig, worker_cfg: dict, script_fd: int,
+                  cgroups: list[Path] = ()) -> list[str]:
+    """The argv that starts one sandboxed worker (the worker source is read from `script_fd`).
+
+    As root, a tiny /bin/sh step first joins the worker's `cgroups` and performs the staging
+    bind mounts (in a private mount namespace), then execs setpriv -> bwrap.
+    """
     python = str(Path(sys.prefix) / "bin" / "python")
     if not Path(python).exists():
         python = sys.executable
@@ -189,12 +263,16 @@ def build_command(config: SandboxConfig, worker_cfg: dict, script_fd: int) -> li
         return bw
     drop = ["setpriv", f"--reuid={config.uid}", f"--regid={config.gid}", "--clear-groups",
             "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
-    if not stage:
+    script = "set -e\n" + "".join(f"echo $$ > {shlex.quote(str(d / 'cgroup.procs'))}\n"
+                                  for d in cgroups)
+    script += "".join(f"mount --bind {shlex.quote(a)} {shlex.quote(b)}\n" for a, b in stage)
+    script += 'exec "$@"\n'
+    if not stage and not cgroups:
         return drop + bw
-    script = "set -e\n" + "".join(f"mount --bind {shlex.quote(a)} {shlex.quote(b)}\n"
-                                  for a, b in stage) + 'exec "$@"\n'
-    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", script,
-            "sandbox-launch"] + drop + bw
+    sh = ["/bin/sh", "-c", script, "sandbox-launch"]
+    if not stage:
+        return sh + drop + bw
+    return ["unshare", "--mount", "--propagation", "private", "--"] + sh + drop + bw
 
 
 # The worker's source comes through an inherited pipe: no host path has to be visible inside.
@@ -211,6 +289,7 @@ class SandboxWorker:
         self.proc: subprocess.Popen | None = None
         self.hello: dict = {}
         self.calls = 0
+        self.cgroups: list[Path] = []
 
     @property
     def pid(self) -> int | None:
@@ -237,7 +316,12 @@ class SandboxWorker:
             raise RuntimeError("worker script too large for the boot pipe")
         os.write(w, src)
         os.close(w)
-        argv = build_command(cfg, worker_cfg, r)
+        if cfg.isolation == "bwrap" and os.geteuid() == 0:
+            self.cgroups = make_cgroups(f"w{os.getpid()}_{id(self):x}_{time.monotonic_ns()}", cfg)
+            if not self.cgroups and (cfg.worker_memory_mb or cfg.worker_pids):
+                logger.warning("no memory/pids cgroup for sandbox workers on this host; "
+                               "per-snippet rlimits only")
+        argv = build_command(cfg, worker_cfg, r, self.cgroups)
         # Empty environment: nothing of the host's (tokens, keys) reaches any process below.
         env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                "LANG": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
@@ -344,10 +428,20 @@ class SandboxWorker:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def kill(self) -> None:
-        """Kills the worker and its whole sandbox (bwrap's pid namespace dies with it)."""
+    def kill(self, graceful: bool = False) -> None:
+        """Kills the worker and its whole sandbox (bwrap's pid namespace dies with it).
+
+        Args:
+          graceful: first close its stdin and give it 0.5 s to clean up and exit.
+        """
         if self.proc is None:
             return
+        if graceful and self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=0.5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except OSError:
@@ -366,3 +460,4 @@ class SandboxWorker:
                     f.close()
             except OSError:
                 pass
+        remove_cgroups(self.cgroups)

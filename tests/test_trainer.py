@@ -1,0 +1,161 @@
+"""The RL update on fixed trajectories: it optimises what it claims, masks what it should."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_tools import models
+from jaxrl_tools.config import config_from_dict
+from jaxrl_tools.rewards import CompositeReward
+from jaxrl_tools.trainer import RLTrainer, pack_trajectories
+
+VOCAB = 64
+
+
+@dataclasses.dataclass
+class FakeTrajectory:
+    prompt_ids: list
+    response_ids: list
+    loss_mask: list
+    logprobs: list
+    response_text: str
+    tool_calls: tuple = ()
+    num_calls: int = 0
+    num_turns: int = 1
+    finish_reason: str = "eos"
+
+
+def tiny_config() -> models.ModelConfig:
+    return models.ModelConfig(
+        model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        tie_word_embeddings=True, attention_bias=True,
+    )
+
+
+def run_config(**algorithm):
+    return config_from_dict({
+        "tokenizer": {"path": "unused"},
+        "data": {"batch_size": 2},
+        "rollout": {"group_size": 4, "max_response_len": 16},
+        "algorithm": {"kl_coef": 0.0, **algorithm},
+        "reward": [{"name": "math", "kwargs": {"correct": 1.0, "wrong": 0.0}}],
+        "optim": {"lr": 1e-2, "micro_batch_size": 4, "grad_clip": None, "weight_decay": 0.0},
+        "trainer": {"steps": 10},
+    })
+
+
+def fixed_trajectories(seed=0):
+    """Two groups of four; in each, responses 0 and 1 are 'correct' (text with the answer)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(2):
+        prompt = list(rng.integers(3, VOCAB, size=5 + g))
+        for j in range(4):
+            n = 6 + j
+            resp = list(rng.integers(3, VOCAB, size=n))
+            mask = [1] * n
+            mask[2] = mask[3] = 0  # an observation inside the response
+            text = "\\boxed{7}" if j < 2 else "\\boxed{8}"
+            out.append(FakeTrajectory(prompt, resp, mask, [0.0] * n, text))
+    return out
+
+
+def make_trainer(cfg, trajectories, seed=0):
+    model_cfg = tiny_config()
+    params = models.init_params(model_cfg, jax.random.key(seed))
+    reward = CompositeReward([(s.name, s.weight, s.kwargs) for s in cfg.reward])
+    return RLTrainer(cfg, model_cfg, params, lambda recs, G, p: trajectories, reward, pad_id=0)
+
+
+RECORDS = [{"prompt": "q", "ground_truth": "7"}] * 2
+
+
+def test_pack_aligns_tokens_and_masks():
+    trajs = fixed_trajectories()
+    b = pack_trajectories(trajs, pad_id=0, rows=8, length_multiple=16)
+    assert b["tokens"].shape == (8, 16)
+    t = trajs[5]
+    p, r = len(t.prompt_ids), len(t.response_ids)
+    np.testing.assert_array_equal(b["tokens"][5, : p + r], t.prompt_ids + t.response_ids)
+    np.testing.assert_array_equal(b["loss_mask"][5, p : p + r], t.loss_mask)
+    assert b["loss_mask"][5, :p].sum() == 0 and b["loss_mask"][5, p + r :].sum() == 0
+    assert b["attention"][5].sum() == p + r
+    with pytest.raises(ValueError, match="do not fit"):
+        pack_trajectories(trajs, pad_id=0, rows=4)
+
+
+def _mean_logp(trainer, trajs, rows):
+    batch = {k: jnp.asarray(v) for k, v in pack_trajectories(trajs, pad_id=0, rows=rows).items()}
+    logp, _ = trainer._logprobs(trainer.params, batch)
+    per_seq = (logp * batch["loss_mask"]).sum(1) / batch["loss_mask"].sum(1)
+    return np.asarray(per_seq)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_updates_raise_likelihood_of_rewarded_responses(estimator):
+    trajs = fixed_trajectories()
+    trainer = make_trainer(run_config(adv_estimator=estimator), trajs)
+    before = _mean_logp(trainer, trajs, 8)
+    for _ in range(5):
+        metrics = trainer.step(RECORDS)
+    after = _mean_logp(trainer, trajs, 8)
+    assert np.isfinite(metrics["actor/loss"])
+    assert metrics["reward/accuracy"] == pytest.approx(0.5)
+    gain = after - before
+    # Rewarded responses (0, 1 of each group) gain likelihood, the others lose it.
+    assert np.all(gain[[0, 1, 4, 5]] > 0) and np.all(gain[[2, 3, 6, 7]] < 0)
+
+
+def test_masked_tokens_have_no_effect():
+    trajs = fixed_trajectories()
+    other = [dataclasses.replace(t, response_ids=list(t.response_ids)) for t in trajs]
+    for t in other:  # change only the tokens under mask 0 ... and nothing they influence
+        t.response_ids[-1] = t.response_ids[-1]
+    # Changing the *last* masked-out position's token cannot change earlier logits; masked
+    # positions' own log-probs are excluded: mask a final token and change it.
+    for t in trajs + other:
+        t.loss_mask[-1] = 0
+    for t in other:
+        t.response_ids[-1] = (t.response_ids[-1] + 1) % VOCAB
+    a = make_trainer(run_config(), trajs)
+    b = make_trainer(run_config(), other)
+    a.step(RECORDS)
+    b.step(RECORDS)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=0, atol=0), a.params, b.params)
+
+
+def test_micro_batching_matches_full_batch():
+    trajs = fixed_trajectories()
+    full = make_trainer(run_config(), trajs)
+    cfg = run_config()
+    micro = make_trainer(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim,
+                                                                             micro_batch_size=2)),
+                         trajs)
+    full.step(RECORDS)
+    micro.step(RECORDS)
+    # Adam divides by sqrt(v): float32 rounding in near-zero gradients shows up at ~1e-5 of an
+    # lr=1e-2 step, far below a real difference (a whole step).
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=5e-5),
+                 full.params, micro.params)
+
+
+def test_ppo_with_critic_learns_values():
+    trajs = fixed_trajectories()
+    cfg = config_from_dict({
+        "tokenizer": {"path": "unused"},
+        "data": {"batch_size": 2},
+        "rollout": {"group_size": 4, "max_response_len": 16},
+        "algorithm": {"adv_estimator": "gae", "kl_coef": 0.0, "lam": 0.95},
+        "critic": {"enabled": True, "lr": 1e-2},
+        "reward": [{"name": "math", "kwargs": {"correct": 1.0, "wrong": 0.0}}],
+        "optim": {"lr": 1e-3, "micro_batch_size": 4, "grad_clip": None},
+    })
+    trainer = make_trainer(cfg, trajs)
+    first = trainer.step(RECORDS)
+    for _ in range(8):
+        last = trainer.step(RECORDS)
+    assert np.isfinite(last["critic/loss"]) and last["critic/loss"] < first["critic/loss"]

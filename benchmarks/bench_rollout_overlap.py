@@ -23,17 +23,18 @@ def main():
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
 
     import jax
     import jax.numpy as jnp
+    from jaxrl_tools.tools import ToolExecutor, function_tool
 
     from jaxrl_tools import models
     from jaxrl_tools.engine import EngineCore
     from jaxrl_tools.rollout import RolloutLimits, run_rollouts
     from jaxrl_tools.sampling import GREEDY
     from jaxrl_tools.tokenizer import build_tokenizer
-    from jaxrl_tools.tools import ToolExecutor, function_tool
 
     tmp = tempfile.mkdtemp()
     tok = build_tokenizer(f"{tmp}/tok", vocab_size=512)
@@ -44,24 +45,24 @@ def main():
     params = models.init_params(config, jax.random.PRNGKey(0))
     enc = lambda s: tok.encode(s, add_special_tokens=False)
 
-    # Per-slot scripts (rows of one array): slot b thinks 4*b + 4 filler tokens first.
+    # Per-slot scripts (rows of one array): slot b thinks 6*b + 4 filler tokens first.
     filler = enc(" Let me think about it.")
     call = enc('<tool_call>\n{"name": "lookup", "arguments": {"q": "x"}}\n</tool_call>')
     answer = enc(" The answer is 42.<|im_end|>")
     scripts = []
     for b in range(args.slots):
-        pre = (filler * 8)[: 4 * b + 4]
-        mid = (filler * 8)[: 12 - b]
+        pre = (filler * 16)[: 6 * b + 4]
+        mid = (filler * 16)[: 24 - 3 * b]
         scripts.append(pre + call + mid + call + filler * 2 + answer)
     K = max(map(len, scripts))
     script_BK = jnp.asarray([s + [s[-1]] * (K - len(s)) for s in scripts], jnp.int32)
 
-    def hook(logits_BV, sampled_B):
+    def hook(logits_BV, sampled_B, script_BK):
         want = script_BK[jnp.arange(logits_BV.shape[0]), jnp.minimum(sampled_B, K - 1)]
         return jnp.where(jnp.arange(logits_BV.shape[-1])[None] == want[:, None], 0.0, -1e9)
 
     eng = EngineCore(config, params, slots=args.slots, max_len=512, max_prefill_length=64,
-                     tokenizer=tok, logits_hook=hook)
+                     tokenizer=tok, logits_hook=hook, hook_data=script_BK)
     prompts = [enc(f"Question {i}: what is the answer?") for i in range(args.prompts)]
 
     def make_executor(sleep):
@@ -86,8 +87,12 @@ def main():
         return wall, stats
 
     run(0.0)  # warm-up: compiles every bucket
-    fast, fs = run(0.0)
-    slow, ss = run(args.sleep)
+    fasts, slows = [], []
+    for _ in range(args.repeats):  # interleaved: the shared machine drifts between runs
+        fasts.append(run(0.0))
+        slows.append(run(args.sleep))
+    fast, fs = sorted(fasts, key=lambda x: x[0])[len(fasts) // 2]
+    slow, ss = sorted(slows, key=lambda x: x[0])[len(slows) // 2]
     calls = 2 * args.prompts
     print(f"{args.prompts} trajectories, {args.slots} slots, {calls} tool calls, chunk "
           f"{args.chunk}")
@@ -95,6 +100,8 @@ def main():
           f"{fs['chunks']} chunks)")
     print(f"{args.sleep * 1000:.0f} ms tool  : {slow:.2f} s wall ({ss['generate_s']:.2f} s in "
           f"generate, {ss['chunks']} chunks); serial tool time would be {calls * args.sleep:.1f} s")
+    print(f"runs (s): instant {[round(f, 2) for f, _ in fasts]}, "
+          f"sleep {[round(x, 2) for x, _ in slows]}")
     print(f"RESULT ratio sleep/instant = {slow / fast:.2f}x")
 
 

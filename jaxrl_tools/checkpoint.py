@@ -29,14 +29,21 @@ class Checkpointer:
 
     def __init__(self, directory: str, *, every: int = 100, keep: int = 3, async_save: bool = True):
         self.directory = epath.Path(directory).absolute()
+        self.every = max(1, every)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                save_interval_steps=max(1, every),
+                save_interval_steps=1,  # `save` applies `every` itself (orbax saves step 1)
                 max_to_keep=keep,
                 enable_async_checkpointing=async_save,
                 create=True,
             ),
+            # Registered up front: a fresh manager (a resumed run) can read the stored tree's
+            # metadata (shapes) before restoring.
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "extras": ocp.JsonCheckpointHandler(),
+            },
         )
 
     def latest_step(self) -> int | None:
@@ -48,7 +55,13 @@ class Checkpointer:
     def save(
         self, step: int, state: Any, extras: Mapping[str, Any], *, force: bool = False
     ) -> bool:
-        """Saves `state` (arrays) and `extras` (JSON: data iterator state, metrics) at `step`."""
+        """Saves `state` (arrays) and `extras` (JSON: data iterator state, metrics) at `step`.
+
+        Returns:
+          Whether a save started: `step` is a multiple of `every`, or `force`.
+        """
+        if step % self.every and not force:
+            return False
         saved = self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -74,6 +87,8 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"no checkpoint to resume from in {self.directory}")
         stored = self._manager.item_metadata(step)["state"]
+        if stored is None:
+            raise ValueError(f"checkpoint {self.directory}/{step} has no readable 'state' item")
         _check_compatible(stored, state_like, f"{self.directory}/{step}")
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
@@ -114,11 +129,27 @@ def _check_compatible(stored: Any, expected: Any, where: str) -> None:
             )
 
 
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
 def _flat_shapes(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """(dotted path, shape) of each array leaf.
+
+    Paths are dotted names ("actor.params.embed.embedding", "actor.opt_state.1.0.mu. ..."), the
+    same whether the tree is the run's own (dataclasses, named tuples) or the checkpoint's
+    metadata (nested dicts and lists), as orbax names the stored arrays.
+    """
     leaves = jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: hasattr(x, "shape") and not isinstance(x, Mapping)
     )[0]
     return [
-        (jax.tree_util.keystr(p), tuple(np.shape(x) if not hasattr(x, "shape") else x.shape))
+        (
+            ".".join(_key_name(k) for k in p),
+            tuple(np.shape(x) if not hasattr(x, "shape") else x.shape),
+        )
         for p, x in leaves
     ]

@@ -34,9 +34,11 @@ import numpy as np
 from jaxrl_tools.sampling import SamplingParams, sample_tokens, split_keys
 
 Params = Any
-# logits_hook(logits_BV, sampled_B) -> logits_BV, applied before sampling (jitted). `sampled_B`
-# is the number of model tokens kept in each slot so far (a test can force a script with it).
-LogitsHook = Callable[[jax.Array, jax.Array], jax.Array]
+# logits_hook(logits_BV, sampled_B, hook_data) -> logits_BV, applied before sampling (jitted).
+# `sampled_B` is the number of model tokens kept in each slot so far; `hook_data` is the engine's
+# `hook_data` pytree passed as a traced argument (changing it does not recompile). E.g. a test
+# forces a scripted token sequence, or a caller adds a per-slot logit bias.
+LogitsHook = Callable[[jax.Array, jax.Array, Any], jax.Array]
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -183,14 +185,14 @@ def _write_kernel(params, state: DecodeState, rows_M, tokens_MK, starts_M, n_M, 
 
 @functools.partial(jax.jit, static_argnames=("num_steps", "use_filter", "config", "max_len",
                                              "hook"), donate_argnums=(1,))
-def _generate_kernel(params, state: DecodeState, *, num_steps, use_filter, config, max_len,
-                     hook):
+def _generate_kernel(params, state: DecodeState, hook_data, *, num_steps, use_filter, config,
+                     max_len, hook):
     def step(st: DecodeState, _):
         act_B = st.active & (st.lengths < max_len)
         keys_next, keys_use = split_keys(st.keys)
         logits_BV = st.logits
         if hook is not None:
-            logits_BV = hook(logits_BV, st.sampled)
+            logits_BV = hook(logits_BV, st.sampled, hook_data)
         tok_B, lp_B = sample_tokens(logits_BV, keys_use, st.temperature, st.top_k, st.top_p,
                                     use_filter=use_filter)
         # Inactive rows are not written (valid=0) and keep their length, logits and key.
@@ -228,7 +230,8 @@ class EngineCore:
       sampling: default SamplingParams of a prefill that passes none.
       seed: base seed for prefills that pass no key (folded with a request counter).
       steps_per_generate: tokens per slot per Engine API `generate` call.
-      logits_hook: optional jittable f(logits_BV, sampled_B) -> logits_BV applied before sampling.
+      logits_hook: optional jittable f(logits_BV, sampled_B, hook_data) -> logits_BV applied
+        before sampling (see LogitsHook); hook_data: its data (a pytree of arrays, traced).
       eos_token_ids: ids that end a sequence (default: the config's and the tokenizer's EOS).
     """
 
@@ -250,6 +253,7 @@ class EngineCore:
         seed: int = 0,
         steps_per_generate: int = 1,
         logits_hook: LogitsHook | None = None,
+        hook_data: Any = None,
         eos_token_ids: Sequence[int] | None = None,
     ):
         if max_prefill_length < 16 or max_prefill_length & (max_prefill_length - 1):
@@ -273,6 +277,7 @@ class EngineCore:
         self.seed = seed
         self.steps_per_generate = int(steps_per_generate)
         self.logits_hook = logits_hook
+        self.hook_data = hook_data
         self.eos_token_ids = tuple(self._default_eos() if eos_token_ids is None else eos_token_ids)
         self._request_counter = 0
         # Host mirror of which slots need the top-k/top-p sort (a static flag of the decode jit).
@@ -382,7 +387,8 @@ class EngineCore:
         self._insert_jit = _insert_kernel
         self._write_jit = functools.partial(_write_kernel, config=self.config)
         self._generate_jit = lambda params, state, n, use_filter: _generate_kernel(
-            params, state, num_steps=n, use_filter=use_filter, config=statics["config"],
+            params, state, self.hook_data, num_steps=n, use_filter=use_filter,
+            config=statics["config"],
             max_len=statics["max_len"], hook=statics["hook"])
 
     # ------------------------------------------------------------------ Engine API

@@ -4,10 +4,9 @@ Entry points (the CLI's subcommands) call `sft`, `train`, `evaluate`, `export` a
 here; each only wires library pieces together.
 """
 
-import asyncio
 import json
 import logging
-import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -74,8 +73,9 @@ def setup_model(cfg: RunConfig, tokenizer, mesh=None) -> tuple[models.ModelConfi
     if cfg.model.path is not None:
         return models.from_pretrained(cfg.model.path, dtype=dtype, mesh=mesh)
     model_cfg = tiny_model_config(cfg, tokenizer)
-    params = models.init_params(model_cfg, jax.random.key(cfg.model.tiny.seed), dtype=dtype,
-                                mesh=mesh)
+    params = models.init_params(
+        model_cfg, jax.random.key(cfg.model.tiny.seed), dtype=dtype, mesh=mesh
+    )
     return model_cfg, params
 
 
@@ -95,8 +95,11 @@ def setup_tools(cfg: RunConfig) -> list:
 def task_records(cfg: RunConfig, split: str) -> list[dict]:
     """Records of the generated task (train and held-out eval use disjoint seeds)."""
     d = cfg.data
-    n, seed = (d.task_train_size, d.shuffle_seed) if split == "train" else (
-        d.task_eval_size, d.shuffle_seed + 10_000)
+    n, seed = (
+        (d.task_train_size, d.shuffle_seed)
+        if split == "train"
+        else (d.task_eval_size, d.shuffle_seed + 10_000)
+    )
     levels = tuple(range(d.task_difficulty + 1)) if split == "train" else (d.task_difficulty,)
     return [p.to_record(tools=()) for p in tasks.make_problems(n, seed=seed, difficulty=levels)]
 
@@ -106,22 +109,6 @@ def eval_records(cfg: RunConfig) -> list[dict]:
         return task_records(cfg, "eval")
     loader = data_lib.loader_from_config(cfg.data, "eval")
     return [r for batch in loader for r in batch]
-
-
-class EventLoop:
-    """A private asyncio loop on a thread: the trainer calls async tools from sync code."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-
-    def run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5)
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -135,4 +122,431 @@ def _json_default(x):
     return str(x)
 
 
-__all__ = ["Sequence"]
+# ---------------------------------------------------------------------------------- rollout
+
+
+class Rollout:
+    """Samples trajectories of prompt records with the decode engine and the tools.
+
+    Args:
+      cfg: the run config (rollout section: protocol, limits, sampling).
+      engine: an `EngineCore` over the policy's architecture.
+      tokenizer: the HF tokenizer (chat template, stop strings).
+      executor: the ToolExecutor (None: no tools; the protocol is then ignored).
+    """
+
+    def __init__(self, cfg: RunConfig, engine, tokenizer, executor):
+        from jaxrl_tools.rollout import RolloutLimits
+
+        r = cfg.rollout
+        self.cfg, self.engine, self.tokenizer, self.executor = cfg, engine, tokenizer, executor
+        self.limits = RolloutLimits(
+            max_response_tokens=r.max_response_len,
+            max_tool_calls=r.max_tool_calls,
+            max_turns=r.max_turns,
+            max_obs_tokens=r.max_obs_tokens,
+            chunk_size=r.chunk_size,
+        )
+        # Only the function-calling protocol declares tools in the system turn; inline
+        # protocols (ToRL, ReTool, Search-R1) describe them in the prompt.
+        function_calling = r.protocol in ("qwen", "hermes")
+        self.tools_schema = executor.schemas() if (executor and function_calling) else []
+        self.calls = 0
+
+    def __call__(
+        self,
+        records: Sequence[dict],
+        group_size: int,
+        params,
+        *,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> list:
+        from jaxrl_tools.rollout import run_rollouts
+        from jaxrl_tools.sampling import SamplingParams
+
+        r = self.cfg.rollout
+        temp = r.temperature if temperature is None else temperature
+        sampling = SamplingParams(
+            temperature=temp, top_k=r.top_k if temp > 0 else 0, top_p=r.top_p if temp > 0 else 1.0
+        )
+        if seed is None:  # a new key per call, reproducible from the run seed
+            seed = self.cfg.trainer.seed * 1_000_003 + self.calls
+        self.calls += 1
+        prompts = [data_lib.prompt_messages(rec, self.cfg.data.system_prompt) for rec in records]
+        return run_rollouts(
+            self.engine,
+            params,
+            prompts,
+            tokenizer=self.tokenizer,
+            num_samples=group_size,
+            protocol=r.protocol if self.executor is not None else None,
+            executor=self.executor,
+            limits=self.limits,
+            sampling=sampling,
+            rng=seed,
+            tools_schema=self.tools_schema,
+        )
+
+
+def make_engine(cfg: RunConfig, model_cfg, params, tokenizer, mesh=None):
+    from jaxrl_tools.engine import EngineCore, next_pow2
+
+    r = cfg.rollout
+    prefill = next_pow2(r.max_prompt_len, 16)
+    return EngineCore(
+        model_cfg,
+        params,
+        slots=r.slots,
+        max_len=prefill + r.max_response_len,
+        max_prefill_length=prefill,
+        tokenizer=tokenizer,
+        mesh=mesh,
+        seed=cfg.trainer.seed,
+    )
+
+
+def evaluate(cfg: RunConfig, rollout: Rollout, params, records: Sequence[dict], reward) -> dict:
+    """Greedy (or `rollout.eval_temperature`) accuracy and tool statistics on `records`."""
+    from jaxrl_tools.trainer import rollout_metrics
+
+    g = cfg.rollout.eval_group_size
+    trajs = []
+    bs = cfg.data.eval_batch_size
+    for i in range(0, len(records), bs):
+        trajs += rollout(
+            records[i : i + bs],
+            g,
+            params,
+            temperature=cfg.rollout.eval_temperature,
+            seed=cfg.trainer.seed + i,
+        )
+    gts = [records[i // g].get("ground_truth") for i in range(len(trajs))]
+    from jaxrl_tools.rewards import TrajectoryInfo
+
+    infos = [
+        TrajectoryInfo(
+            tool_calls=t.tool_calls,
+            num_calls=t.num_tool_calls,
+            num_turns=t.num_turns,
+            response_length=len(t.response_ids),
+        )
+        for t in trajs
+    ]
+    scores, parts = reward.batch(
+        [t.response_text for t in trajs], gts, infos, group_ids=[i // g for i in range(len(trajs))]
+    )
+    metrics = rollout_metrics(trajs, scores, parts)
+    metrics["num_problems"] = len(records)
+    if g > 1:  # pass@g: any of a problem's g samples correct
+        key = "math" if "math" in parts else next(iter(parts))
+        correct = (np.asarray(parts[key]) > 0).reshape(-1, g)
+        metrics[f"reward/pass@{g}"] = float(correct.any(axis=1).mean())
+    metrics["_examples"] = [
+        {
+            "prompt": records[i // g].get("prompt"),
+            "response": trajs[i].response_text,
+            "ground_truth": gts[i],
+            "score": float(scores[i]),
+        }
+        for i in range(min(3, len(trajs)))
+    ]
+    return metrics
+
+
+# ---------------------------------------------------------------------------------- stages
+
+
+def sft_traces(cfg: RunConfig, tokenizer) -> list:
+    """SFT traces as segment lists: from `sft.train_files` (jsonl with `segments`) or generated
+    for the demo task."""
+    if cfg.sft.train_files:
+        out = []
+        for path in cfg.sft.train_files:
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        out.append(json.loads(line)["segments"])
+                    except (json.JSONDecodeError, KeyError) as e:
+                        raise ValueError(
+                            f"{path}:{n}: not a JSON object with 'segments' ({e})"
+                        ) from None
+        return out
+    problems = tasks.make_problems(
+        cfg.sft.num_traces,
+        seed=cfg.data.shuffle_seed + 20_000,
+        difficulty=tuple(range(cfg.data.task_difficulty + 1)),
+    )
+    traces = tasks.sft_traces(
+        problems,
+        tokenizer,
+        mix=cfg.sft.tool_mix,
+        protocol=cfg.rollout.protocol,
+        seed=cfg.data.shuffle_seed,
+        system_prompt=cfg.data.system_prompt,
+    )
+    return [t["segments"] for t in traces]
+
+
+def run_sft(cfg: RunConfig, model_cfg, params, tokenizer, logger=None):
+    from jaxrl_tools import sft
+
+    traces = sft_traces(cfg, tokenizer)
+    log.info("SFT on %d traces for %d epochs", len(traces), cfg.sft.epochs)
+    def on_step(step, metrics):
+        if logger is not None:
+            logger.log(step, metrics)
+        if step % 20 == 0:
+            log.info("SFT step %d: loss %.4f", step, float(metrics["sft/loss"]))
+
+    return sft.train_sft(
+        model_cfg,
+        params,
+        tokenizer,
+        traces,
+        epochs=cfg.sft.epochs,
+        lr=cfg.sft.lr,
+        batch_size=cfg.sft.batch_size,
+        max_len=cfg.sft.max_len,
+        warmup_steps=cfg.sft.warmup_steps,
+        micro_batch_size=cfg.optim.micro_batch_size,
+        seed=cfg.trainer.seed,
+        on_step=on_step,
+    )
+
+
+def train_records_loader(cfg: RunConfig):
+    if cfg.data.task is not None:
+        return data_lib.PromptLoader(
+            task_records(cfg, "train"), batch_size=cfg.data.batch_size, seed=cfg.data.shuffle_seed
+        )
+    return data_lib.loader_from_config(cfg.data, "train")
+
+
+def _strip_private(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith("_")}
+
+
+def train(cfg: RunConfig, *, evaluate_before_after: bool = False) -> dict:
+    """SFT (when enabled) then RL for `trainer.steps` steps, with checkpoints and metrics.
+
+    Resumes from the newest checkpoint in `trainer.checkpoint_dir` when `trainer.resume` is set
+    (the SFT stage is then skipped: the checkpoint holds the policy after it).
+
+    Returns:
+      A summary: final metrics, and with `evaluate_before_after` the held-out evaluation of the
+      policy before and after RL.
+    """
+    from jaxrl_tools.checkpoint import Checkpointer
+    from jaxrl_tools.metrics import MetricsLogger
+    from jaxrl_tools.rewards import CompositeReward
+    from jaxrl_tools.tools import ToolExecutor
+    from jaxrl_tools.trainer import RLTrainer
+
+    sharding.initialize_distributed()
+    t = cfg.trainer
+    run_dir = Path(t.log_dir)
+    mesh = make_mesh(cfg)
+    tokenizer = setup_tokenizer(cfg)
+    model_cfg, params = setup_model(cfg, tokenizer, mesh)
+    reward = CompositeReward([(r.name, r.weight, r.kwargs) for r in cfg.reward])
+    ckpt = Checkpointer(
+        t.checkpoint_dir, every=t.checkpoint_every or t.steps or 1, keep=t.keep_checkpoints
+    )
+    resuming = t.resume and ckpt.latest_step() is not None
+    tools = setup_tools(cfg)
+    executor = (
+        ToolExecutor(
+            tools,
+            max_concurrency=cfg.rollout.tool_concurrency,
+            timeout_s=cfg.rollout.tool_timeout_s,
+        )
+        if tools
+        else None
+    )
+    engine = make_engine(cfg, model_cfg, params, tokenizer, mesh)
+    rollout = Rollout(cfg, engine, tokenizer, executor)
+    logger = MetricsLogger(run_dir, total_steps=t.steps, desc=t.run_name)
+    summary: dict[str, Any] = {"run_name": t.run_name}
+    try:
+        if cfg.sft.enabled and not resuming:
+            t0 = time.perf_counter()
+            params = run_sft(cfg, model_cfg, params, tokenizer)
+            summary["sft_time_s"] = time.perf_counter() - t0
+        evals = eval_records(cfg) if (evaluate_before_after or t.eval_every) else []
+        before_path = run_dir / "eval_before_rl.json"
+        if evaluate_before_after:
+            if resuming and before_path.exists():
+                summary["before"] = json.loads(before_path.read_text())
+            else:
+                summary["before"] = evaluate(cfg, rollout, params, evals, reward)
+                write_json(before_path, summary["before"])
+        trainer = RLTrainer(
+            cfg, model_cfg, params, rollout, reward, pad_id=tokenizer.pad_token_id or 0, mesh=mesh
+        )
+        loader = train_records_loader(cfg)
+        start = 0
+        if resuming:
+            start, state, extras = ckpt.restore(trainer.checkpoint_state())
+            trainer.load_checkpoint_state(state)
+            loader.set_state(extras["data"])
+            rollout.calls = extras["rollout_calls"]
+            log.info("resumed from step %d of %s", start, ckpt.directory)
+        metrics: dict = {}
+        for step in range(start + 1, t.steps + 1):
+            metrics = trainer.step(next(loader))
+            if t.eval_every and step % t.eval_every == 0 and step != t.steps:
+                ev = evaluate(cfg, rollout, trainer.params, evals, reward)
+                metrics.update({f"eval/{k}": v for k, v in _strip_private(ev).items()})
+            logger.log(step, metrics)
+            extras = {
+                "data": loader.get_state(),
+                "rollout_calls": rollout.calls,
+                "metrics": _strip_private(metrics),
+            }
+            ckpt.save(step, trainer.checkpoint_state(), extras, force=step == t.steps)
+        ckpt.wait()
+        summary["final_metrics"] = _strip_private(metrics)
+        if evaluate_before_after:
+            summary["after"] = evaluate(cfg, rollout, trainer.params, evals, reward)
+        summary["plot"] = str(logger.plot() or "")
+        summary["params"] = trainer.params
+        summary["model_config"] = model_cfg
+        summary["tokenizer"] = tokenizer
+        return summary
+    finally:
+        logger.close()
+        ckpt.close()
+        for tool in tools:
+            _close_tool(tool)
+
+
+def _close_tool(tool) -> None:
+    import asyncio
+
+    try:
+        asyncio.run(tool.close())
+    except Exception as e:  # noqa: BLE001 - closing must not hide the run's own error
+        log.warning("closing tool %s: %s", tool.name, e)
+
+
+def restore_policy(cfg: RunConfig, step: int | None = None):
+    """(model_cfg, params, tokenizer, step) of a run's checkpoint."""
+    from jaxrl_tools.checkpoint import Checkpointer
+    from jaxrl_tools.rewards import CompositeReward
+    from jaxrl_tools.trainer import RLTrainer
+
+    mesh = make_mesh(cfg)
+    tokenizer = setup_tokenizer(cfg)
+    model_cfg, params = setup_model(cfg, tokenizer, mesh)
+    reward = CompositeReward([(r.name, r.weight, r.kwargs) for r in cfg.reward])
+    trainer = RLTrainer(cfg, model_cfg, params, None, reward, pad_id=0, mesh=mesh)
+    ckpt = Checkpointer(cfg.trainer.checkpoint_dir)
+    try:
+        step, state, _ = ckpt.restore(trainer.checkpoint_state(), step)
+    finally:
+        ckpt.close()
+    return model_cfg, state["actor"].params, tokenizer, step
+
+
+def export(cfg: RunConfig, out: str, step: int | None = None) -> Path:
+    """Writes a checkpoint's policy as a Hugging Face folder (weights, config, tokenizer)."""
+    model_cfg, params, tokenizer, step = restore_policy(cfg, step)
+    models.save_pretrained(model_cfg, params, out)
+    tokenizer.save_pretrained(out)
+    log.info("exported step %d to %s", step, out)
+    return Path(out)
+
+
+def evaluate_policy(cfg: RunConfig, *, from_checkpoint: bool, step: int | None = None) -> dict:
+    """Held-out evaluation of `model.path` or of a run's checkpoint."""
+    from jaxrl_tools.rewards import CompositeReward
+    from jaxrl_tools.tools import ToolExecutor
+
+    if from_checkpoint:
+        model_cfg, params, tokenizer, _ = restore_policy(cfg, step)
+    else:
+        tokenizer = setup_tokenizer(cfg)
+        model_cfg, params = setup_model(cfg, tokenizer, make_mesh(cfg))
+    tools = setup_tools(cfg)
+    try:
+        executor = (
+            ToolExecutor(
+                tools,
+                max_concurrency=cfg.rollout.tool_concurrency,
+                timeout_s=cfg.rollout.tool_timeout_s,
+            )
+            if tools
+            else None
+        )
+        rollout = Rollout(cfg, make_engine(cfg, model_cfg, params, tokenizer), tokenizer, executor)
+        reward = CompositeReward([(r.name, r.weight, r.kwargs) for r in cfg.reward])
+        return evaluate(cfg, rollout, params, eval_records(cfg), reward)
+    finally:
+        for tool in tools:
+            _close_tool(tool)
+
+
+def sft_only(cfg: RunConfig, out: str) -> Path:
+    """The SFT stage alone; writes the result as a Hugging Face folder (`model.path` for RL)."""
+    tokenizer = setup_tokenizer(cfg)
+    model_cfg, params = setup_model(cfg, tokenizer)
+    params = run_sft(cfg, model_cfg, params, tokenizer)
+    models.save_pretrained(model_cfg, params, out)
+    tokenizer.save_pretrained(out)
+    return Path(out)
+
+
+# ---------------------------------------------------------------------------------- demo
+
+
+def demo_report(summary: dict) -> str:
+    """The demo's report: SFT policy vs RL policy on held-out problems (greedy)."""
+    b, a = summary["before"], summary["after"]
+    acc_b, acc_a = b["reward/accuracy"] * 100, a["reward/accuracy"] * 100
+    tool_b, tool_a = b["tools/used_frac"] * 100, a["tools/used_frac"] * 100
+    lines = [
+        f"# jaxrl-tools demo: {summary['run_name']}",
+        "",
+        f"Held-out problems: {a['num_problems']} (greedy decoding, sandboxed Python tool).",
+        "",
+        "| policy | accuracy | responses calling the tool | tool calls / response | "
+        "tool error rate |",
+        "| --- | --- | --- | --- | --- |",
+        f"| SFT (before RL) | {acc_b:.1f}% | {tool_b:.1f}% | "
+        f"{b['tools/calls_per_response']:.2f} | {b['tools/error_rate']:.2f} |",
+        f"| SFT + RL | {acc_a:.1f}% | {tool_a:.1f}% | "
+        f"{a['tools/calls_per_response']:.2f} | {a['tools/error_rate']:.2f} |",
+        "",
+        f"RL changed held-out accuracy by {acc_a - acc_b:+.1f} points "
+        f"({acc_b:.1f}% -> {acc_a:.1f}%) and the tool-call rate by {tool_a - tool_b:+.1f} points.",
+        "",
+        "Examples after RL:",
+    ]
+    for ex in a.get("_examples", []):
+        lines.append(
+            f"- {ex['prompt']!r} -> {ex['response']!r} (answer {ex['ground_truth']}, "
+            f"score {ex['score']:g})"
+        )
+    if summary.get("plot"):
+        lines += ["", f"Training curves: {summary['plot']}"]
+    return "\n".join(lines) + "\n"
+
+
+def demo(cfg: RunConfig) -> dict:
+    """SFT cold start, held-out eval, GRPO with the sandbox in the loop, held-out eval, report."""
+    t0 = time.perf_counter()
+    summary = train(cfg, evaluate_before_after=True)
+    summary["wall_time_s"] = time.perf_counter() - t0
+    report = demo_report(summary)
+    out = Path(cfg.trainer.log_dir)
+    (out / "report.md").write_text(report)
+    write_json(
+        out / "report.json",
+        {k: v for k, v in summary.items() if k not in ("params", "model_config", "tokenizer")},
+    )
+    print(report)
+    print(f"(wall time {summary['wall_time_s']:.0f} s; report in {out / 'report.md'})")
+    return summary

@@ -122,7 +122,9 @@ def _final(answer: str) -> str:
 def trace_messages(problem: Problem, use_tool: bool, protocol: str = "qwen") -> list[dict]:
     """The chat messages of one trace (system prompt not included).
 
-    - direct: "4 * 7 = 28. The answer is \\boxed{28}."
+    - direct: "In my head: 4 * 7 = 28. The answer is \\boxed{28}." (one fixed first word, so a
+      policy's choice between answering directly and calling the tool is one token: "In" or
+      "Let", not spread over ten digit tokens)
     - qwen: an assistant turn with a `python` tool_call, a tool turn with the output, and an
       assistant turn with the answer.
     - torl: one assistant message: ```python block, ```output, the result, the answer.
@@ -137,7 +139,8 @@ def trace_messages(problem: Problem, use_tool: bool, protocol: str = "qwen") -> 
             user,
             {
                 "role": "assistant",
-                "content": f"{problem.expression} = {problem.answer}. " + _final(problem.answer),
+                "content": f"In my head: {problem.expression} = {problem.answer}. "
+                + _final(problem.answer),
             },
         ]
     code = f"print({problem.expression.replace(' ', '')})"

@@ -12,6 +12,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 LossFn = Callable[[Any, Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -36,9 +37,19 @@ def make_optimizer(
     weight_decay: float = 0.0,
     b1: float = 0.9,
     b2: float = 0.999,
+    eps: float = 1e-8,
     grad_clip: float | None = 1.0,
 ) -> optax.GradientTransformation:
-    """AdamW with linear warmup then cosine (or constant) decay, after global-norm clipping."""
+    """AdamW with linear warmup then cosine, linear or constant decay, after global-norm clipping.
+
+    Args:
+      lr: the peak learning rate.
+      total_steps: optimizer updates of the whole run (the decay's horizon).
+      warmup_steps: linear warm-up from 0 over this many updates.
+      schedule: "cosine" | "linear" (both decay to `lr * min_lr_ratio`) | "constant".
+      min_lr_ratio, weight_decay, b1, b2, eps: AdamW / decay settings.
+      grad_clip: global-norm clip (None or 0: off).
+    """
     if lr <= 0:
         raise ValueError(f"optim.lr must be > 0, got {lr}")
     if schedule == "cosine":
@@ -58,22 +69,89 @@ def make_optimizer(
             if warmup_steps
             else optax.constant_schedule(lr)
         )
+    elif schedule == "linear":
+        decay = optax.linear_schedule(lr, lr * min_lr_ratio, max(total_steps - warmup_steps, 1))
+        sched = (
+            optax.join_schedules(
+                [optax.linear_schedule(0.0, lr, warmup_steps), decay], [warmup_steps]
+            )
+            if warmup_steps
+            else decay
+        )
     else:
-        raise ValueError(f"optim.schedule must be 'cosine' or 'constant', got {schedule!r}")
+        raise ValueError(
+            f"optim.schedule must be 'cosine', 'linear' or 'constant', got {schedule!r}"
+        )
     parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip else []
-    parts.append(optax.adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay))
+    parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
     return optax.chain(*parts)
 
 
 def create_train_state(
-    params: Any, optimizer: optax.GradientTransformation, seed: int
+    params: Any,
+    optimizer: optax.GradientTransformation,
+    seed: int,
+    *,
+    param_shardings: Any = None,
 ) -> TrainState:
-    return TrainState(
-        step=jnp.zeros((), jnp.int32),
-        params=params,
-        opt_state=optimizer.init(params),
-        rng=jax.random.key_data(jax.random.key(seed)),
+    """A fresh state: step 0, `optimizer.init(params)`, the raw key of `seed`.
+
+    Args:
+      params: the parameters (the state holds these very arrays).
+      optimizer: the optax transformation.
+      seed: the state's RNG seed.
+      param_shardings: NamedShardings like `params` (None: one device). When given, the state is
+        created by a jit whose outputs are already placed by `train_state_shardings`: params as
+        given, optimizer moments like their params, counters replicated.
+    """
+
+    def init(p):
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=p,
+            opt_state=optimizer.init(p),
+            rng=jax.random.key_data(jax.random.key(seed)),
+        )
+
+    if param_shardings is None:
+        return init(params)
+    shapes = jax.eval_shape(init, params)
+    mesh = jax.tree.leaves(param_shardings)[0].mesh
+    out = train_state_shardings(shapes, param_shardings, mesh)
+    params = jax.device_put(params, param_shardings)
+    return jax.jit(init, in_shardings=(param_shardings,), out_shardings=out)(params)
+
+
+def train_state_shardings(state_shapes: TrainState, param_shardings: Any, mesh: Mesh) -> TrainState:
+    """Shardings of a TrainState: params by `param_shardings`, optimizer state mirroring them.
+
+    Optax states hold param-shaped subtrees (Adam's mu and nu, ...) next to scalars (counts):
+    every subtree of `opt_state` with the params' tree structure and shapes takes the params'
+    shardings; every other leaf is replicated (they are counters and small statistics).
+
+    Args:
+      state_shapes: the state's shapes (`jax.eval_shape` of its creation, or the state itself).
+      param_shardings: NamedShardings like the params.
+      mesh: the mesh (for the replicated leaves).
+
+    Returns:
+      A TrainState of NamedShardings.
+    """
+    replicated = NamedSharding(mesh, PartitionSpec())
+    params_def = jax.tree.structure(state_shapes.params)
+    param_shapes = [tuple(x.shape) for x in jax.tree.leaves(state_shapes.params)]
+
+    def like_params(x) -> bool:
+        if jax.tree.structure(x) != params_def:
+            return False
+        return [tuple(y.shape) for y in jax.tree.leaves(x)] == param_shapes
+
+    opt = jax.tree.map(
+        lambda x: param_shardings if like_params(x) else replicated,
+        state_shapes.opt_state,
+        is_leaf=like_params,
     )
+    return TrainState(step=replicated, params=param_shardings, opt_state=opt, rng=replicated)
 
 
 def accumulate_gradients(

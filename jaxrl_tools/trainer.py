@@ -10,9 +10,15 @@ One RL step:
   6. `ppo_epochs` x `num_mini_batches` actor (and critic) updates, each accumulating gradients
      over micro-batches exactly (`train_state.make_update`);
   7. the new params go to the engine (the same arrays: no copy), metrics, checkpoint.
+
+With a mesh, every jitted function has explicit in/out shardings: batches are split over the
+logical "batch" axis, params (and the optimizer moments, which mirror them) by
+`models.logical_axes`, counters replicated; functions are traced inside `sharding.use_mesh`, so
+the models' activation constraints apply, and the updates donate the state. Without a mesh the
+same functions are jitted without shardings.
 """
 
-import functools
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -21,11 +27,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_tools import algorithms, models, policy
+from jaxrl_tools import algorithms, models, policy, sharding
 from jaxrl_tools.config import RunConfig
 from jaxrl_tools.rewards import CompositeReward, TrajectoryInfo
-from jaxrl_tools.train_state import create_train_state, make_optimizer, make_update
+from jaxrl_tools.train_state import (
+    create_train_state,
+    make_optimizer,
+    make_update,
+    train_state_shardings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +108,25 @@ def advantage_config(cfg: RunConfig) -> algorithms.AdvantageConfig:
     )
 
 
-def _to_micro(batch: dict, num_micro: int) -> dict:
-    """[B, ...] -> [M, B / M, ...]."""
+def critic_logical_axes(model_cfg: models.ModelConfig) -> dict:
+    """Logical axes of the critic of `policy.init_value_head`: the trunk's are the model's."""
     return {
-        k: v.reshape(num_micro, v.shape[0] // num_micro, *v.shape[1:]) for k, v in batch.items()
+        "trunk": models.logical_axes(model_cfg),
+        "value_head": {"kernel": ("embed",), "bias": ()},
     }
+
+
+def _select_micro(batch: dict, idx_N: jax.Array, micro_batch_size: int, micro_sharding) -> dict:
+    """Rows `idx_N` of a [B, ...] batch, as [M, micro_batch_size, ...] micro-batches."""
+    num_micro = idx_N.shape[0] // micro_batch_size
+    out = {}
+    for k, v in batch.items():
+        v = jnp.take(v, idx_N, axis=0)
+        v = v.reshape(num_micro, micro_batch_size, *v.shape[1:])
+        if micro_sharding is not None:
+            v = jax.lax.with_sharding_constraint(v, micro_sharding)
+        out[k] = v
+    return out
 
 
 class RLTrainer:
@@ -114,6 +140,11 @@ class RLTrainer:
       reward: the composite reward.
       pad_id: the padding token id.
       mesh: the device mesh (None: one device).
+      rules: logical -> mesh axes table (default `sharding.DEFAULT_RULES`).
+
+    Raises:
+      ValueError: the batch does not split into the mini/micro-batches, or (with a mesh) the
+        rows or micro-batches do not split over the mesh's batch devices.
     """
 
     def __init__(
@@ -126,9 +157,10 @@ class RLTrainer:
         *,
         pad_id: int,
         mesh=None,
+        rules=None,
     ):
         self.cfg, self.model_cfg, self.rollout, self.reward = cfg, model_cfg, rollout, reward
-        self.pad_id, self.mesh = pad_id, mesh
+        self.pad_id, self.mesh, self.rules = pad_id, mesh, rules
         o, a = cfg.optim, cfg.algorithm
         self.group_size = cfg.rollout.group_size
         self.rows = cfg.data.batch_size * self.group_size
@@ -148,10 +180,17 @@ class RLTrainer:
             weight_decay=o.weight_decay,
             b1=o.b1,
             b2=o.b2,
+            eps=o.eps,
             grad_clip=o.grad_clip,
         )
-        self.state = create_train_state(params, self.optimizer, cfg.trainer.seed)
-        self.ref_params = params if cfg.use_reference_model else None
+        self._setup_shardings(params)
+        if self._param_sh is not None:
+            params = jax.device_put(params, self._param_sh)
+        # The update donates the state: the reference policy needs buffers of its own.
+        self.ref_params = jax.tree.map(jnp.copy, params) if cfg.use_reference_model else None
+        self.state = create_train_state(
+            params, self.optimizer, cfg.trainer.seed, param_shardings=self._param_sh
+        )
         self.pcfg = policy_loss_config(cfg)
         self.acfg = advantage_config(cfg)
         self.temperature = max(cfg.rollout.temperature, 1e-6)
@@ -164,8 +203,77 @@ class RLTrainer:
                 warmup_steps=cfg.critic.warmup_steps,
                 grad_clip=o.grad_clip,
             )
-            self.critic_state = create_train_state(critic, self.critic_optimizer, cfg.trainer.seed)
+            if mesh is not None:
+                self._critic_sh = sharding.tree_shardings(
+                    critic_logical_axes(model_cfg), mesh, rules, shapes=critic
+                )
+            self.critic_state = create_train_state(
+                critic, self.critic_optimizer, cfg.trainer.seed, param_shardings=self._critic_sh
+            )
+            if mesh is not None:
+                self._critic_state_sh = train_state_shardings(
+                    self.critic_state, self._critic_sh, mesh
+                )
+        if mesh is not None:
+            self._state_sh = train_state_shardings(self.state, self._param_sh, mesh)
+        self._adv_fns: dict[int, Callable] = {}
         self._build_fns()
+
+    # ------------------------------------------------------------------ shardings
+
+    def _setup_shardings(self, params) -> None:
+        """Shardings of params, batches ([B, ...] rows and [M, b, ...] micro-batches)."""
+        self._param_sh = self._critic_sh = self._state_sh = self._critic_state_sh = None
+        self._rows_sh = self._micro_sh = self._replicated = None
+        mesh = self.mesh
+        if mesh is None:
+            return
+        self._param_sh = sharding.tree_shardings(
+            models.logical_axes(self.model_cfg), mesh, self.rules, shapes=params
+        )
+        batch_axes = sharding.logical_to_spec(("batch",), self.rules)[0]
+        self._rows_sh = NamedSharding(mesh, PartitionSpec(batch_axes))
+        self._micro_sh = NamedSharding(mesh, PartitionSpec(None, batch_axes))
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        names = (
+            ()
+            if batch_axes is None
+            else ((batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes))
+        )
+        n = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+        o = self.cfg.optim
+        for what, size in (
+            ("data.batch_size x rollout.group_size", self.rows),
+            ("optim.micro_batch_size", o.micro_batch_size),
+        ):
+            if size % n:
+                raise ValueError(
+                    f"{what} = {size} does not split over the {n} devices of the mesh's batch "
+                    f"axes {names} (mesh {dict(mesh.shape)})"
+                )
+
+    def _mesh_context(self):
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        return sharding.use_mesh(self.mesh, self.rules)
+
+    def _jit(self, fn: Callable, *, in_shardings=None, out_shardings=None, **kwargs) -> Callable:
+        """jax.jit, with shardings and traced (and run) inside `use_mesh` when there is a mesh."""
+        if self.mesh is None:
+            return jax.jit(fn, **kwargs)
+        jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, **kwargs)
+
+        def call(*args):
+            with self._mesh_context():
+                return jitted(*args)
+
+        return call
+
+    def _place(self, x: np.ndarray) -> jax.Array:
+        """A host array with a leading batch axis onto the device(s)."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, self._rows_sh)
 
     # ------------------------------------------------------------------ jitted functions
 
@@ -211,13 +319,24 @@ class RLTrainer:
             mask = batch_M["loss_mask"].reshape(-1, batch_M["loss_mask"].shape[-1])
             return algorithms.loss_denominator(mask, pcfg.loss_agg_mode, pcfg.max_len)
 
-        self._logprobs = jax.jit(logprobs)
-        self._actor_update = jax.jit(
-            make_update(actor_loss, self.optimizer, denoms_fn=actor_denom), donate_argnums=0
+        rows, micro, rep = self._rows_sh, self._micro_sh, self._replicated
+        mbs = self.cfg.optim.micro_batch_size
+
+        def with_selection(update):
+            # Mini-batch rows are gathered inside the jit: the batch stays where it is placed.
+            def run(state, batch, idx_N):
+                return update(state, _select_micro(batch, idx_N, mbs, micro))
+
+            return run
+
+        self._logprobs = self._jit(
+            logprobs, in_shardings=(self._param_sh, rows), out_shardings=(rows, rows)
         )
-        est, acfg = self.cfg.algorithm.adv_estimator, self.acfg
-        self._advantages = jax.jit(
-            functools.partial(algorithms.compute_advantages, est, config=acfg)
+        self._actor_update = self._jit(
+            with_selection(make_update(actor_loss, self.optimizer, denoms_fn=actor_denom)),
+            in_shardings=(self._state_sh, rows, rep),
+            out_shardings=(self._state_sh, rep),
+            donate_argnums=0,
         )
         if self.critic_state is not None:
             clip_v = self.cfg.critic.value_clip_eps
@@ -243,11 +362,39 @@ class RLTrainer:
             def critic_denom(batch_M):
                 return jnp.sum(batch_M["loss_mask"])
 
-            self._values = jax.jit(values)
-            self._critic_update = jax.jit(
-                make_update(critic_loss, self.critic_optimizer, denoms_fn=critic_denom),
+            self._values = self._jit(
+                values, in_shardings=(self._critic_sh, rows), out_shardings=rows
+            )
+            self._critic_update = self._jit(
+                with_selection(
+                    make_update(critic_loss, self.critic_optimizer, denoms_fn=critic_denom)
+                ),
+                in_shardings=(self._critic_state_sh, rows, rep),
+                out_shardings=(self._critic_state_sh, rep),
                 donate_argnums=0,
             )
+
+    def _advantages(self, inputs: dict[str, jax.Array], n_rows: int) -> tuple:
+        """(advantages, returns), [rows, T]: the estimator sees only the first `n_rows` rows
+        (padding rows would form fake groups); the rest are 0. One compile per `n_rows`."""
+        if n_rows not in self._adv_fns:
+            est, acfg, rows = self.cfg.algorithm.adv_estimator, self.acfg, self.rows
+
+            def advantages(x):
+                adv, ret = algorithms.compute_advantages(
+                    est,
+                    algorithms.AdvantageInputs(**{k: v[:n_rows] for k, v in x.items()}),
+                    config=acfg,
+                )
+                pad = lambda a: jnp.pad(a, ((0, rows - n_rows), (0, 0)))
+                return pad(adv), pad(ret)
+
+            self._adv_fns[n_rows] = self._jit(
+                advantages,
+                in_shardings=(self._rows_sh,),
+                out_shardings=(self._rows_sh, self._rows_sh),
+            )
+        return self._adv_fns[n_rows](inputs)
 
     # ------------------------------------------------------------------ one RL step
 
@@ -263,7 +410,7 @@ class RLTrainer:
         infos = [
             TrajectoryInfo(
                 tool_calls=t.tool_calls,
-                num_calls=t.num_calls,
+                num_calls=t.num_tool_calls,
                 num_turns=t.num_turns,
                 response_length=len(t.response_ids),
             )
@@ -319,11 +466,12 @@ class RLTrainer:
         scores_kept = np.zeros(self.rows, np.float32)
         scores_kept[:n_rows] = scores[keep]
         batch["correct"] = (scores_kept > 0).astype(np.float32)
-        batch = {k: jnp.asarray(v) for k, v in batch.items()}
-        batch["old_logp"], _ = self._logprobs(self.state.params, batch)
+        batch = {k: self._place(v) for k, v in batch.items()}
+        seqs = {k: batch[k] for k in ("tokens", "positions", "attention", "loss_mask")}
+        batch["old_logp"], _ = self._logprobs(self.state.params, seqs)
         if self.ref_params is not None:
-            batch["ref_logp"], _ = self._logprobs(self.ref_params, batch)
-        adv_inputs = {"loss_mask_BT": batch["loss_mask"], "scores_B": jnp.asarray(scores_kept)}
+            batch["ref_logp"], _ = self._logprobs(self.ref_params, seqs)
+        adv_inputs = {"loss_mask_BT": batch["loss_mask"], "scores_B": self._place(scores_kept)}
         if self.cfg.algorithm.kl_in_reward and self.ref_params is not None:
             adv_inputs["kl_BT"] = (
                 algorithms.kl_penalty(
@@ -332,15 +480,9 @@ class RLTrainer:
                 * batch["loss_mask"]
             )
         if self.critic_state is not None:
-            batch["old_values"] = self._values(self.critic_state.params, batch)
+            batch["old_values"] = self._values(self.critic_state.params, seqs)
             adv_inputs["values_BT"] = batch["old_values"]
-        # Padding rows would form fake groups: the estimator sees only the real rows.
-        adv, returns = self._advantages(
-            algorithms.AdvantageInputs(**{k: v[:n_rows] for k, v in adv_inputs.items()})
-        )
-        pad_rows = ((0, self.rows - n_rows), (0, 0))
-        batch["advantages"] = jnp.pad(adv, pad_rows)
-        batch["returns"] = jnp.pad(returns, pad_rows)
+        batch["advantages"], batch["returns"] = self._advantages(adv_inputs, n_rows)
         update_metrics = self._update(batch)
         jax.block_until_ready(self.state.params)
         t_update = time.perf_counter() - t1
@@ -375,14 +517,18 @@ class RLTrainer:
         for _ in range(o.ppo_epochs):
             order = rng.permutation(self.rows)
             for k in range(n_mini):
-                idx = jnp.asarray(order[k * mini : (k + 1) * mini])
-                num_micro = mini // o.micro_batch_size
-                actor_mb = _to_micro({key: batch[key][idx] for key in actor_keys}, num_micro)
-                self.state, m = self._actor_update(self.state, actor_mb)
+                idx = order[k * mini : (k + 1) * mini].astype(np.int32)
+                idx = (
+                    jnp.asarray(idx) if self.mesh is None else jax.device_put(idx, self._replicated)
+                )
+                actor_batch = {key: batch[key] for key in actor_keys}
+                self.state, m = self._actor_update(self.state, actor_batch, idx)
                 m = {f"actor/{key}": v for key, v in m.items()}
                 if self.critic_state is not None:
-                    critic_mb = _to_micro({key: batch[key][idx] for key in critic_keys}, num_micro)
-                    self.critic_state, cm = self._critic_update(self.critic_state, critic_mb)
+                    critic_batch = {key: batch[key] for key in critic_keys}
+                    self.critic_state, cm = self._critic_update(
+                        self.critic_state, critic_batch, idx
+                    )
                     m.update({f"critic/{key}": v for key, v in cm.items()})
                 for key, v in m.items():
                     sums[key] = sums.get(key, 0.0) + float(v)
@@ -395,17 +541,21 @@ class RLTrainer:
         state = {"actor": self.state}
         if self.critic_state is not None:
             state["critic"] = self.critic_state
+        if self.ref_params is not None:
+            state["ref"] = self.ref_params
         return state
 
     def load_checkpoint_state(self, state: dict) -> None:
         self.state = state["actor"]
         if self.critic_state is not None:
             self.critic_state = state["critic"]
+        if self.ref_params is not None:
+            self.ref_params = state["ref"]
 
 
 def rollout_metrics(trajectories: Sequence[Any], scores: np.ndarray, parts: dict) -> dict:
     """Reward, accuracy, tool-use and length statistics of a batch of trajectories."""
-    calls = np.array([t.num_calls for t in trajectories], np.float32)
+    calls = np.array([t.num_tool_calls for t in trajectories], np.float32)
     records = [r for t in trajectories for r in t.tool_calls]
     errors = sum(1 for r in records if not _ok(r))
     lengths = np.array([len(t.response_ids) for t in trajectories], np.float32)

@@ -32,8 +32,9 @@ def cache_axes() -> KVCache:
     return KVCache(k=CACHE_AXES, v=CACHE_AXES)
 
 
-def init_cache(config, batch: int, max_len: int, *, dtype=jnp.float32, mesh=None, rules=None
-               ) -> KVCache:
+def init_cache(
+    config, batch: int, max_len: int, *, dtype=jnp.float32, mesh=None, rules=None
+) -> KVCache:
     """An all-zero cache for `batch` slots of `max_len` positions.
 
     Args:
@@ -47,8 +48,7 @@ def init_cache(config, batch: int, max_len: int, *, dtype=jnp.float32, mesh=None
     Returns:
       The KVCache.
     """
-    shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads,
-             config.head_dim)
+    shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
     make = lambda: KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
     if mesh is None:
         return make()

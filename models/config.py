@@ -111,7 +111,7 @@ class ModelConfig:
 
     @property
     def rope_type(self) -> str:
-        """"default", "llama3" or "linear"."""
+        """ "default", "llama3" or "linear"."""
         if self.rope_scaling is None:
             return "default"
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))

@@ -60,8 +60,7 @@ _COMMON = (
     KeySpec(_L + "self_attn.q_proj.weight", (*_ATTN, "q_proj", "kernel"), transpose=True),
     KeySpec(_L + "self_attn.k_proj.weight", (*_ATTN, "k_proj", "kernel"), transpose=True),
     KeySpec(_L + "self_attn.v_proj.weight", (*_ATTN, "v_proj", "kernel"), transpose=True),
-    KeySpec(_L + "self_attn.o_proj.weight", (*_ATTN, "o_proj", "kernel"), transpose=True,
-            split=2),
+    KeySpec(_L + "self_attn.o_proj.weight", (*_ATTN, "o_proj", "kernel"), transpose=True, split=2),
     KeySpec(_L + "post_attention_layernorm.weight", ("layers", "post_attention_norm", "scale")),
     KeySpec(_L + "mlp.gate_proj.weight", ("layers", "mlp", "gate_proj", "kernel"), transpose=True),
     KeySpec(_L + "mlp.up_proj.weight", ("layers", "mlp", "up_proj", "kernel"), transpose=True),
@@ -70,8 +69,12 @@ _COMMON = (
     KeySpec("lm_head.weight", ("lm_head", "kernel"), transpose=True, when="untied"),
 )
 _QKV_BIAS = tuple(
-    KeySpec(_L + f"self_attn.{p}_proj.bias", (*_ATTN, f"{p}_proj", "bias"), split=2,
-            when="attention_bias")
+    KeySpec(
+        _L + f"self_attn.{p}_proj.bias",
+        (*_ATTN, f"{p}_proj", "bias"),
+        split=2,
+        when="attention_bias",
+    )
     for p in "qkv"
 )
 _QK_NORM = tuple(
@@ -106,7 +109,7 @@ def _get(tree: Params, path: tuple[str, ...]) -> Any:
 
 def _hf_shape(spec: KeySpec, shape: tuple[int, ...]) -> tuple[int, ...]:
     """HF tensor shape for one (per-layer) param slice of `shape`."""
-    groups = [g for g in (shape[: spec.split], shape[spec.split:]) if g]
+    groups = [g for g in (shape[: spec.split], shape[spec.split :]) if g]
     dims = tuple(math.prod(g) for g in groups)
     return dims[::-1] if spec.transpose else dims
 
@@ -116,8 +119,9 @@ def _to_param(spec: KeySpec, hf_array: np.ndarray, shape: tuple[int, ...]) -> np
 
 
 def _to_hf(spec: KeySpec, array: np.ndarray) -> np.ndarray:
-    flat = array.reshape(_hf_shape(spec, array.shape)[::-1] if spec.transpose else
-                         _hf_shape(spec, array.shape))
+    flat = array.reshape(
+        _hf_shape(spec, array.shape)[::-1] if spec.transpose else _hf_shape(spec, array.shape)
+    )
     return np.ascontiguousarray(flat.T if spec.transpose else flat)
 
 
@@ -182,16 +186,22 @@ class SafetensorsFile:
                 f"{self.filename}: tensor {name} has unsupported dtype {info['dtype']}"
             )
         begin, end = info["data_offsets"]
-        buf = self._mmap[self._offset + begin: self._offset + end]
+        buf = self._mmap[self._offset + begin : self._offset + end]
         return buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
-def write_safetensors(filename: str, tensors: list[tuple[str, Any]],
-                      metadata: dict[str, str] | None = None) -> None:
-    """Writes (name, array-or-callable) pairs; a callable is called when its bytes are written.
+def write_safetensors(
+    filename: str,
+    tensors: list[tuple[str, Any]],
+    metadata: dict[str, str] | None = None,
+    *,
+    write: bool = True,
+) -> None:
+    """Writes tensors given as (name, (make, shape, dtype)); `make()` returns the array.
 
-    Arrays given as callables are materialised one at a time, so writing a file needs the memory
-    of one tensor, not of the file.
+    Arrays are made one at a time when their bytes are written, so writing a file needs the
+    memory of one tensor, not of the file. With write=False every `make()` still runs (they may
+    be collectives that all processes must join) but nothing is written.
     """
     header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
@@ -199,12 +209,19 @@ def write_safetensors(filename: str, tensors: list[tuple[str, Any]],
     for name, item in tensors:
         shape, dtype = tuple(item[1]), np.dtype(item[2])
         nbytes = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _DTYPE_NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         specs.append((name, item[0], shape, dtype, nbytes))
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    if not write:
+        for _, make, *_ in specs:
+            make()
+        return
     with open(filename, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
@@ -253,8 +270,9 @@ def _place(host: np.ndarray, sharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, mesh=None, rules=None
-                    ) -> tuple[ModelConfig, Params]:
+def from_pretrained(
+    path: str | os.PathLike, *, dtype=jnp.float32, mesh=None, rules=None
+) -> tuple[ModelConfig, Params]:
     """Loads a Hugging Face Qwen2/Qwen3/Llama folder (config.json + *.safetensors [+ index]).
 
     Tensors are converted one at a time into the parameter leaf they belong to; each finished
@@ -286,15 +304,24 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, mesh=None, ru
         leaf_shape = _get(shapes, spec.path).shape
         expected = _hf_shape(spec, leaf_shape if layer is None else leaf_shape[1:])
         if name not in where:
-            raise ValueError(f"tensor {name} (for params{list(spec.path)}) is missing from the "
-                             f"checkpoint in {path!r}")
+            raise ValueError(
+                f"tensor {name} (for params{list(spec.path)}) is missing from the "
+                f"checkpoint in {path!r}"
+            )
         found = where[name].shape(name)
         if found != expected:
-            raise ValueError(f"tensor {name} in {where[name].filename} has shape {found}, but "
-                             f"the config needs {expected}")
+            raise ValueError(
+                f"tensor {name} in {where[name].filename} has shape {found}, but "
+                f"the config needs {expected}"
+            )
     used = {name for name, _, _ in entries}
-    extra = [k for k in where if k not in used and not _IGNORED.match(k)
-             and not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    extra = [
+        k
+        for k in where
+        if k not in used
+        and not _IGNORED.match(k)
+        and not (k == "lm_head.weight" and config.tie_word_embeddings)
+    ]
     if extra:
         log.warning("%s: ignoring %d unexpected tensors, e.g. %s", path, len(extra), extra[:5])
 
@@ -323,8 +350,10 @@ def from_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, mesh=None, ru
         del host  # the next leaf reuses the memory
 
     def build(tree, prefix=()):
-        return {k: build(v, (*prefix, k)) if isinstance(v, dict) else leaves[(*prefix, k)]
-                for k, v in tree.items()}
+        return {
+            k: build(v, (*prefix, k)) if isinstance(v, dict) else leaves[(*prefix, k)]
+            for k, v in tree.items()
+        }
 
     return config, build(shapes)
 
@@ -344,13 +373,28 @@ def _parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def save_pretrained(config: ModelConfig, params: Params, path: str | os.PathLike, *,
-                    max_shard_size: int | str = "5GB") -> None:
+def _to_host(x: jax.Array) -> np.ndarray:
+    """The whole array on this host (gathered from the other processes when multi-host)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def save_pretrained(
+    config: ModelConfig,
+    params: Params,
+    path: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+) -> None:
     """Writes a HF folder (config.json + safetensors) that AutoModelForCausalLM loads.
 
     Above `max_shard_size` the tensors are split over model-0000k-of-0000n.safetensors files with
     a model.safetensors.index.json, as transformers does. Tensors are fetched from the devices one
-    parameter leaf at a time. The dtype of the files is the dtype of the params.
+    parameter leaf at a time. The dtype of the files is the dtype of the params. Multi-host: every
+    process must call it (parameters are gathered leaf by leaf); only process 0 writes.
 
     Args:
       config: the architecture.
@@ -359,7 +403,8 @@ def save_pretrained(config: ModelConfig, params: Params, path: str | os.PathLike
       max_shard_size: bytes per file, an int or a string like "5GB", "10KB".
     """
     path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
+    if jax.process_index() == 0:
+        os.makedirs(path, exist_ok=True)
     limit = _parse_size(max_shard_size)
     leaf_dtype = _np_dtype(params["embed"]["embedding"].dtype)
 
@@ -369,7 +414,7 @@ def save_pretrained(config: ModelConfig, params: Params, path: str | os.PathLike
         def make():
             if spec.path not in cache:
                 cache.clear()  # one leaf on the host at a time (entries are grouped by leaf)
-                cache[spec.path] = np.asarray(jax.device_get(_get(params, spec.path)))
+                cache[spec.path] = _to_host(_get(params, spec.path))
             leaf = cache[spec.path]
             return _to_hf(spec, leaf if layer is None else leaf[layer]).astype(leaf_dtype)
 
@@ -392,20 +437,24 @@ def save_pretrained(config: ModelConfig, params: Params, path: str | os.PathLike
         shards[-1].append((name, item))
         size += nbytes
 
+    main = jax.process_index() == 0
     dtype_name = "bfloat16" if leaf_dtype == np.dtype(ml_dtypes.bfloat16) else leaf_dtype.name
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config.to_hf(dtype=dtype_name), f, indent=2)
-    for stale in os.listdir(path):  # files of an earlier save would confuse the loader
-        if stale.endswith(".safetensors") or stale == INDEX_FILE:
-            os.remove(os.path.join(path, stale))
+    if main:
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config.to_hf(dtype=dtype_name), f, indent=2)
+        for stale in os.listdir(path):  # files of an earlier save would confuse the loader
+            if stale.endswith(".safetensors") or stale == INDEX_FILE:
+                os.remove(os.path.join(path, stale))
     if len(shards) == 1:
-        write_safetensors(os.path.join(path, SINGLE_FILE), shards[0])
+        write_safetensors(os.path.join(path, SINGLE_FILE), shards[0], write=main)
         return
     weight_map = {}
     for k, shard in enumerate(shards):
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(os.path.join(path, fname), shard)
+        write_safetensors(os.path.join(path, fname), shard, write=main)
         weight_map.update({name: fname for name, _ in shard})
+    if not main:
+        return
     total = sum(math.prod(item[1]) * item[2].itemsize for _, item in tensors)
     with open(os.path.join(path, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

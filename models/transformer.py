@@ -54,8 +54,14 @@ class Weight(nn.Module):
 
     @nn.compact
     def __call__(self):
-        return _param(self, self.param_name, nn.initializers.normal(_INIT_STD), self.shape,
-                      self.axes, self.param_dtype)
+        return _param(
+            self,
+            self.param_name,
+            nn.initializers.normal(_INIT_STD),
+            self.shape,
+            self.axes,
+            self.param_dtype,
+        )
 
 
 class RMSNorm(nn.Module):
@@ -67,8 +73,9 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis,),
-                       self.param_dtype)
+        scale = _param(
+            self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis,), self.param_dtype
+        )
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return scale.astype(x.dtype) * y.astype(x.dtype)
@@ -85,12 +92,19 @@ class Projection(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        kernel = _param(self, "kernel", nn.initializers.normal(_INIT_STD),
-                        (self.in_features, *self.out_shape), self.axes, self.param_dtype)
+        kernel = _param(
+            self,
+            "kernel",
+            nn.initializers.normal(_INIT_STD),
+            (self.in_features, *self.out_shape),
+            self.axes,
+            self.param_dtype,
+        )
         y = jnp.tensordot(x, kernel.astype(x.dtype), axes=((x.ndim - 1,), (0,)))
         if self.use_bias:
-            bias = _param(self, "bias", nn.initializers.zeros, self.out_shape, self.axes[1:],
-                          self.param_dtype)
+            bias = _param(
+                self, "bias", nn.initializers.zeros, self.out_shape, self.axes[1:], self.param_dtype
+            )
             y = y + bias.astype(x.dtype)
         return y
 
@@ -104,8 +118,14 @@ class OutProjection(nn.Module):
     @nn.compact
     def __call__(self, x_BTHK):
         h, dh = x_BTHK.shape[-2:]
-        kernel = _param(self, "kernel", nn.initializers.normal(_INIT_STD), (h, dh, self.features),
-                        ("heads", "head_dim", "embed"), self.param_dtype)
+        kernel = _param(
+            self,
+            "kernel",
+            nn.initializers.normal(_INIT_STD),
+            (h, dh, self.features),
+            ("heads", "head_dim", "embed"),
+            self.param_dtype,
+        )
         return jnp.einsum("bthk,hkd->btd", x_BTHK, kernel.astype(x_BTHK.dtype))
 
 
@@ -127,12 +147,15 @@ class Attention(nn.Module):
         cfg = self.config
         D, H, K = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
         Dh, pd = cfg.head_dim, self.param_dtype
-        q = Projection(D, (H, Dh), ("embed", "heads", "head_dim"), cfg.attention_bias, pd,
-                       name="q_proj")(x_BTD)
-        k = Projection(D, (K, Dh), ("embed", "kv_heads", "head_dim"), cfg.attention_bias, pd,
-                       name="k_proj")(x_BTD)
-        v = Projection(D, (K, Dh), ("embed", "kv_heads", "head_dim"), cfg.attention_bias, pd,
-                       name="v_proj")(x_BTD)
+        q = Projection(
+            D, (H, Dh), ("embed", "heads", "head_dim"), cfg.attention_bias, pd, name="q_proj"
+        )(x_BTD)
+        k = Projection(
+            D, (K, Dh), ("embed", "kv_heads", "head_dim"), cfg.attention_bias, pd, name="k_proj"
+        )(x_BTD)
+        v = Projection(
+            D, (K, Dh), ("embed", "kv_heads", "head_dim"), cfg.attention_bias, pd, name="v_proj"
+        )(x_BTD)
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, "head_dim", pd, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, "head_dim", pd, name="k_norm")(k)
@@ -206,8 +229,9 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(self, ids_BT, positions_BT, mask_BTS, cache=None, write_pos_BT=None):
         cfg, pd = self.config, self.param_dtype
-        embedding = Weight((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), "embedding", pd,
-                           name="embed")()
+        embedding = Weight(
+            (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), "embedding", pd, name="embed"
+        )()
         # The compute dtype follows the parameters (bfloat16 params -> bfloat16 compute).
         h = constrain(jnp.take(embedding, ids_BT, axis=0), ("batch", "length", "embed"))
 
@@ -217,8 +241,9 @@ class Decoder(nn.Module):
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)
         if h.dtype != jnp.float32:
             # transformers casts cos/sin to the compute dtype before rotating.
-            cos, sin = cos.astype(h.dtype).astype(jnp.float32), sin.astype(h.dtype).astype(
-                jnp.float32
+            cos, sin = (
+                cos.astype(h.dtype).astype(jnp.float32),
+                sin.astype(h.dtype).astype(jnp.float32),
             )
 
         layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if self.remat else DecoderLayer
@@ -235,8 +260,9 @@ class Decoder(nn.Module):
         )
         h = RMSNorm(cfg.rms_norm_eps, "embed", pd, name="final_norm")(h)
         if not cfg.tie_word_embeddings:  # created here, applied by `forward` (see `unembed`)
-            Weight((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), "kernel", pd,
-                   name="lm_head")()
+            Weight(
+                (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), "kernel", pd, name="lm_head"
+            )()
         return h, cache
 
 
@@ -268,8 +294,9 @@ def logical_axes(config: ModelConfig) -> Params:
       ValueError: a parameter was declared without logical axes.
     """
     # A copy: the cached tree must not be mutated by callers.
-    return jax.tree.map(lambda x: x, _logical_axes_cached(config),
-                        is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(
+        lambda x: x, _logical_axes_cached(config), is_leaf=lambda x: isinstance(x, tuple)
+    )
 
 
 def param_shapes(config: ModelConfig, dtype=jnp.float32) -> Params:
@@ -277,8 +304,9 @@ def param_shapes(config: ModelConfig, dtype=jnp.float32) -> Params:
     return nn.unbox(_boxed_shapes(config, dtype))
 
 
-def init_params(config: ModelConfig, rng: jax.Array, *, dtype=jnp.float32, mesh=None, rules=None
-                ) -> Params:
+def init_params(
+    config: ModelConfig, rng: jax.Array, *, dtype=jnp.float32, mesh=None, rules=None
+) -> Params:
     """Random parameters (normal(0.02) kernels, ones norms, zero biases), as transformers does.
 
     Args:
@@ -305,8 +333,9 @@ def init_params(config: ModelConfig, rng: jax.Array, *, dtype=jnp.float32, mesh=
     return sharded_init(init, logical_axes(config), mesh, rng, rules=rules)
 
 
-def _apply(config, params, ids_BT, positions_BT, mask_BTS, cache=None, write_pos_BT=None,
-           remat=False):
+def _apply(
+    config, params, ids_BT, positions_BT, mask_BTS, cache=None, write_pos_BT=None, remat=False
+):
     dtype = params["embed"]["embedding"].dtype
     return Decoder(config, dtype, remat).apply(
         {"params": params}, ids_BT, positions_BT, mask_BTS, cache, write_pos_BT
@@ -318,8 +347,15 @@ def default_positions(attention_mask_BT: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(attention_mask_BT.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def hidden_states(config: ModelConfig, params: Params, input_ids_BT: jax.Array, *,
-                  attention_mask=None, positions=None, remat: bool = False) -> jax.Array:
+def hidden_states(
+    config: ModelConfig,
+    params: Params,
+    input_ids_BT: jax.Array,
+    *,
+    attention_mask=None,
+    positions=None,
+    remat: bool = False,
+) -> jax.Array:
     """Hidden states after the final norm, h_BTD in the compute dtype (= the params' dtype).
 
     Token t attends to tokens t' <= t of its row whose attention_mask is 1; `positions` only
@@ -360,8 +396,15 @@ def _logits(config, params, h_BTD):
     return constrain(logits, ("batch", "length", "vocab"))
 
 
-def forward(config: ModelConfig, params: Params, input_ids_BT: jax.Array, *,
-            attention_mask=None, positions=None, remat: bool = False) -> jax.Array:
+def forward(
+    config: ModelConfig,
+    params: Params,
+    input_ids_BT: jax.Array,
+    *,
+    attention_mask=None,
+    positions=None,
+    remat: bool = False,
+) -> jax.Array:
     """Logits of a (possibly left-padded) batch.
 
     Args:
@@ -375,14 +418,26 @@ def forward(config: ModelConfig, params: Params, input_ids_BT: jax.Array, *,
     Returns:
       logits_BTV in float32 (rows at padding positions are meaningless but finite).
     """
-    h = hidden_states(config, params, input_ids_BT, attention_mask=attention_mask,
-                      positions=positions, remat=remat)
+    h = hidden_states(
+        config,
+        params,
+        input_ids_BT,
+        attention_mask=attention_mask,
+        positions=positions,
+        remat=remat,
+    )
     return _logits(config, params, h)
 
 
-def forward_cached(config: ModelConfig, params: Params, tokens_BT: jax.Array,
-                   positions_BT: jax.Array, cache: KVCache, *, valid_BT=None
-                   ) -> tuple[jax.Array, KVCache]:
+def forward_cached(
+    config: ModelConfig,
+    params: Params,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    cache: KVCache,
+    *,
+    valid_BT=None,
+) -> tuple[jax.Array, KVCache]:
     """Runs a chunk of tokens per row against the KV cache and writes their K/V into it.
 
     Row b of the cache is a slot holding one sequence from position 0. Token (b, t) is written at
@@ -408,6 +463,7 @@ def forward_cached(config: ModelConfig, params: Params, tokens_BT: jax.Array,
         valid_BT = jnp.ones((B, T), bool)
     write_pos = jnp.where(valid_BT > 0, positions_BT, S)  # S is out of range: dropped
     mask_BTS = jnp.arange(S)[None, None, :] <= positions_BT[:, :, None]
-    h, (k, v) = _apply(config, params, tokens_BT, positions_BT, mask_BTS, (cache.k, cache.v),
-                       write_pos)
+    h, (k, v) = _apply(
+        config, params, tokens_BT, positions_BT, mask_BTS, (cache.k, cache.v), write_pos
+    )
     return _logits(config, params, h), KVCache(k=k, v=v)

@@ -33,7 +33,8 @@ VARIANTS = {
     "qwen3-4:1-untied": ("qwen3", dict(num_key_value_heads=1)),
     "qwen3-4:2-tied": ("qwen3", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "llama3-4:2-rope-scaling": (
-        "llama", dict(num_key_value_heads=2, rope_theta=5e5, rope_scaling=LLAMA3_ROPE)
+        "llama",
+        dict(num_key_value_heads=2, rope_theta=5e5, rope_scaling=LLAMA3_ROPE),
     ),
 }
 T = 32
@@ -51,8 +52,8 @@ def _left_padded(lengths, total, seed=0):
     ids = np.zeros((len(rows), total), np.int32)
     mask = np.zeros((len(rows), total), np.int32)
     for b, r in enumerate(rows):
-        ids[b, total - len(r):] = r
-        mask[b, total - len(r):] = 1
+        ids[b, total - len(r) :] = r
+        mask[b, total - len(r) :] = 1
     return rows, ids, mask
 
 
@@ -84,7 +85,7 @@ def test_logits_match_transformers_left_padded(loaded, name):
     assert logits.dtype == np.float32
     for b, row in enumerate(rows):
         ref = _hf_logits(model, row[None])[0]
-        diff = np.abs(logits[b, T - len(row):] - ref).max()
+        diff = np.abs(logits[b, T - len(row) :] - ref).max()
         assert diff <= 1e-4, f"{name} row {b}: max abs diff {diff}"
     assert np.isfinite(logits).all()  # padding rows too
 
@@ -128,7 +129,7 @@ def test_bfloat16_logits_close_to_float32_reference(loaded):
     assert logits.dtype == jnp.float32
     for b, row in enumerate(rows):
         ref = _hf_logits(model, row[None])[0]
-        diff = np.abs(np.asarray(logits)[b, T - len(row):] - ref).max()
+        diff = np.abs(np.asarray(logits)[b, T - len(row) :] - ref).max()
         assert diff <= 0.05 * np.abs(ref).max(), f"row {b}: {diff} vs scale {np.abs(ref).max()}"
 
 
@@ -144,12 +145,19 @@ def test_prefill_then_decode_equals_full_forward(loaded):
     cache = M.init_cache(config, 3, 20)
     n = 11
     pos = np.broadcast_to(np.arange(n), (3, n))
-    logits, cache = CACHED(config, params, jnp.asarray(ids[:, :n]), jnp.asarray(pos), cache,
-                           valid_BT=jnp.ones((3, n), jnp.int32))
+    logits, cache = CACHED(
+        config,
+        params,
+        jnp.asarray(ids[:, :n]),
+        jnp.asarray(pos),
+        cache,
+        valid_BT=jnp.ones((3, n), jnp.int32),
+    )
     np.testing.assert_allclose(logits, full[:, :n], atol=1e-5)
     for t in range(n, 20):  # past original_max_position_embeddings=16
-        step, cache = CACHED(config, params, jnp.asarray(ids[:, t:t + 1]),
-                             jnp.full((3, 1), t, jnp.int32), cache)
+        step, cache = CACHED(
+            config, params, jnp.asarray(ids[:, t : t + 1]), jnp.full((3, 1), t, jnp.int32), cache
+        )
         np.testing.assert_allclose(step[:, 0], full[:, t], atol=1e-5)
 
 
@@ -168,21 +176,22 @@ def test_cache_chunks_at_explicit_positions_rows_of_different_lengths(loaded):
         prompt[b, :n], ppos[b, :n], valid[b, :n] = seqs[b][:n], np.arange(n), 1
         ppos[b, n:] = np.arange(n, P)
     cache = M.init_cache(config, 3, 20)
-    out, cache = CACHED(config, params, jnp.asarray(prompt), jnp.asarray(ppos), cache,
-                        valid_BT=jnp.asarray(valid))
-    chunk = np.stack([s[n:n + 4] for s, n in zip(seqs, lens)])
+    out, cache = CACHED(
+        config, params, jnp.asarray(prompt), jnp.asarray(ppos), cache, valid_BT=jnp.asarray(valid)
+    )
+    chunk = np.stack([s[n : n + 4] for s, n in zip(seqs, lens)])
     cpos = np.stack([np.arange(n, n + 4) for n in lens])
     out2, cache = CACHED(config, params, jnp.asarray(chunk), jnp.asarray(cpos), cache)
-    last = np.stack([s[n + 4:n + 5] for s, n in zip(seqs, lens)])
+    last = np.stack([s[n + 4 : n + 5] for s, n in zip(seqs, lens)])
     out3, cache = CACHED(config, params, jnp.asarray(last), jnp.asarray(cpos[:, -1:] + 1), cache)
     for b, n in enumerate(lens):
         ref = _hf_logits(model, seqs[b][None])[0]
         np.testing.assert_allclose(out[b, :n], ref[:n], atol=1e-4)
-        np.testing.assert_allclose(out2[b], ref[n:n + 4], atol=1e-4)
+        np.testing.assert_allclose(out2[b], ref[n : n + 4], atol=1e-4)
         np.testing.assert_allclose(out3[b, 0], ref[n + 4], atol=1e-4)
     # Nothing was written past each row's last position.
     for b, n in enumerate(lens):
-        assert not np.asarray(cache.k[:, b, n + 5:]).any()
+        assert not np.asarray(cache.k[:, b, n + 5 :]).any()
 
 
 def test_cache_axes_and_shapes():
@@ -199,14 +208,17 @@ def test_cache_axes_and_shapes():
 def _assert_same_weights(config, params, hf_model):
     state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
     assert state["model.embed_tokens.weight"].shape == (256, 64)
-    np.testing.assert_array_equal(state["model.embed_tokens.weight"],
-                                  np.asarray(params["embed"]["embedding"], np.float32))
+    np.testing.assert_array_equal(
+        state["model.embed_tokens.weight"], np.asarray(params["embed"]["embedding"], np.float32)
+    )
     q = np.asarray(params["layers"]["attn"]["q_proj"]["kernel"][1], np.float32)
-    np.testing.assert_array_equal(state["model.layers.1.self_attn.q_proj.weight"],
-                                  q.reshape(64, -1).T)
+    np.testing.assert_array_equal(
+        state["model.layers.1.self_attn.q_proj.weight"], q.reshape(64, -1).T
+    )
     o = np.asarray(params["layers"]["attn"]["o_proj"]["kernel"][0], np.float32)
-    np.testing.assert_array_equal(state["model.layers.0.self_attn.o_proj.weight"],
-                                  o.reshape(-1, 64).T)
+    np.testing.assert_array_equal(
+        state["model.layers.0.self_attn.o_proj.weight"], o.reshape(-1, 64).T
+    )
     # Every tensor: round-trip back through our loader's table gives identical arrays.
     for name, spec, layer in M.hf_io._entries(config):
         leaf = np.asarray(M.hf_io._get(params, spec.path), np.float32)
@@ -220,8 +232,9 @@ def _assert_same_weights(config, params, hf_model):
 def test_save_pretrained_loads_in_transformers_with_identical_weights(loaded, tmp_path, name):
     model, _, config, _ = loaded(name)
     rng = np.random.RandomState(7)  # different weights from the HF model the config came from
-    params = jax.tree.map(lambda x: x + 0.01 * rng.standard_normal(x.shape).astype(np.float32),
-                          loaded(name)[3])
+    params = jax.tree.map(
+        lambda x: x + 0.01 * rng.standard_normal(x.shape).astype(np.float32), loaded(name)[3]
+    )
     M.save_pretrained(config, params, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
     assert type(hf) is type(model)
@@ -244,8 +257,9 @@ def test_save_pretrained_bfloat16_sharded_files(loaded, tmp_path):
     _assert_same_weights(config, params, hf)
     config2, params2 = M.from_pretrained(tmp_path, dtype=jnp.bfloat16)
     assert config2 == config
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-                 params, params2)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params2
+    )
 
 
 def test_from_pretrained_multi_file_checkpoint(loaded, tiny_hf, tmp_path):
@@ -257,14 +271,22 @@ def test_from_pretrained_multi_file_checkpoint(loaded, tiny_hf, tmp_path):
     assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").exists()
     config2, params2 = M.from_pretrained(tmp_path)
     assert config2 == config
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-                 params, params2)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, params2
+    )
 
 
 def test_load_config_transformers_4x_and_5x_spellings(tmp_path):
-    base = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                tie_word_embeddings=False)
+    base = dict(
+        model_type="llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     scaling = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_type"}
     v4 = dict(base, rope_theta=5e5, rope_scaling=dict(scaling, type="llama3"))
     v5 = dict(base, rope_parameters=dict(scaling, rope_theta=5e5, rope_type="llama3"))
@@ -275,12 +297,15 @@ def test_load_config_transformers_4x_and_5x_spellings(tmp_path):
     plain = M.ModelConfig.from_hf(dict(base, model_type="qwen2", rope_theta=1e6))
     assert plain.rope_scaling is None and plain.attention_bias and not plain.qk_norm
     # Family defaults when built directly: head_dim, qwen2 q/k/v bias, qwen3 q/k norm.
-    assert M.ModelConfig("qwen2", 256, 64, 128, 2, 4, 2) == dataclasses.replace(plain, rope_theta=1e4)
+    assert M.ModelConfig("qwen2", 256, 64, 128, 2, 4, 2) == dataclasses.replace(
+        plain, rope_theta=1e4
+    )
     q3 = M.ModelConfig("qwen3", 256, 64, 128, 2, 4, 2)
     assert (q3.head_dim, q3.qk_norm, q3.attention_bias) == (16, True, False)
     # What transformers 5.x itself writes.
-    transformers.Qwen3Config(**{k: v for k, v in base.items() if k != "model_type"},
-                             head_dim=16, rope_theta=1e6).save_pretrained(tmp_path)
+    transformers.Qwen3Config(
+        **{k: v for k, v in base.items() if k != "model_type"}, head_dim=16, rope_theta=1e6
+    ).save_pretrained(tmp_path)
     c = M.load_config(tmp_path)
     assert (c.model_type, c.qk_norm, c.head_dim, c.rope_theta) == ("qwen3", True, 16, 1e6)
 
@@ -351,14 +376,17 @@ def test_safetensors_reader_matches_library(tmp_path):
 
 
 def test_init_params_matches_shapes_axes_and_transformers_init():
-    config = M.ModelConfig("qwen2", 256, 64, 128, 2, 4, 2, 16, attention_bias=True,
-                           tie_word_embeddings=True)
+    config = M.ModelConfig(
+        "qwen2", 256, 64, 128, 2, 4, 2, 16, attention_bias=True, tie_word_embeddings=True
+    )
     params = M.init_params(config, jax.random.key(0), dtype=jnp.bfloat16)
     shapes = M.param_shapes(config, jnp.bfloat16)
     assert jax.tree.map(lambda x: (x.shape, x.dtype), params) == jax.tree.map(
-        lambda x: (x.shape, x.dtype), shapes)
+        lambda x: (x.shape, x.dtype), shapes
+    )
     assert jax.tree.structure(params) == jax.tree.structure(
-        M.logical_axes(config), is_leaf=lambda x: isinstance(x, tuple))
+        M.logical_axes(config), is_leaf=lambda x: isinstance(x, tuple)
+    )
     assert "lm_head" not in params
     q = np.asarray(params["layers"]["attn"]["q_proj"]["kernel"], np.float32)
     assert abs(q.std() - 0.02) < 0.002 and not np.array_equal(q[0], q[1])  # layers differ
@@ -371,8 +399,9 @@ def test_remat_gradients_match_finite_differences(loaded):
     _, ids, mask = _left_padded((12, 7), 12)
 
     def loss(p, remat):
-        logits = M.forward(config, p, jnp.asarray(ids), attention_mask=jnp.asarray(mask),
-                           remat=remat)
+        logits = M.forward(
+            config, p, jnp.asarray(ids), attention_mask=jnp.asarray(mask), remat=remat
+        )
         logp = jax.nn.log_softmax(logits[:, :-1])
         nll = -jnp.take_along_axis(logp, jnp.asarray(ids)[:, 1:, None], -1)[..., 0]
         return (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()

@@ -22,9 +22,18 @@ from jaxrl_tools.sharding import DEFAULT_RULES, logical_to_spec
 
 from jaxrl_tools import models as M
 
-CONFIG = M.ModelConfig("qwen3", vocab_size=256, hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
-                       head_dim=8, qk_norm=True, rope_theta=1e6)
+CONFIG = M.ModelConfig(
+    "qwen3",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=8,
+    qk_norm=True,
+    rope_theta=1e6,
+)
 RULES_1x1x8 = {**DEFAULT_RULES, "kv_heads": None}
 MESHES = {"2x2x2": None, "1x1x8": RULES_1x1x8}
 
@@ -59,18 +68,21 @@ def test_golden_param_shardings():
     assert _specs() == GOLDEN_2x2x2
     variant = _specs(RULES_1x1x8)
     assert variant["['layers']['attn']['k_proj']['kernel']"] == P(None, "fsdp", None, None)
-    assert variant["['layers']['attn']['q_proj']['kernel']"] == GOLDEN_2x2x2[
-        "['layers']['attn']['q_proj']['kernel']"]
+    assert (
+        variant["['layers']['attn']['q_proj']['kernel']"]
+        == GOLDEN_2x2x2["['layers']['attn']['q_proj']['kernel']"]
+    )
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharding")
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "report.json").read_text())
 
@@ -92,8 +104,7 @@ def test_mesh_that_does_not_divide_a_parameter_is_an_error(report):
 def test_loaded_params_are_placed_by_the_rules(report, mesh):
     expected = {k: str(v) for k, v in _specs(MESHES[mesh]).items()}
     assert report[mesh]["param_specs"] == expected
-    assert report[mesh]["cache_spec"] == str(
-        logical_to_spec(M.CACHE_AXES, MESHES[mesh]))
+    assert report[mesh]["cache_spec"] == str(logical_to_spec(M.CACHE_AXES, MESHES[mesh]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -110,8 +121,7 @@ def _main(out_dir: str) -> None:
     assert jax.device_count() == 8, jax.devices()
     rng = np.random.RandomState(0)
     shapes = M.param_shapes(CONFIG)
-    params = jax.tree.map(lambda s: (0.1 * rng.standard_normal(s.shape)).astype(np.float32),
-                          shapes)
+    params = jax.tree.map(lambda s: (0.1 * rng.standard_normal(s.shape)).astype(np.float32), shapes)
     folder = os.path.join(out_dir, "model")
     M.save_pretrained(CONFIG, params, folder, max_shard_size="60KB")
 
@@ -139,12 +149,21 @@ def _main(out_dir: str) -> None:
             outs = [step(config, p, ids_, pos, cache)]
             cache = outs[0][1]
             for t in range(2):
-                outs.append(step(config, p, jnp.asarray(steps[:, t:t + 1]),
-                                 jnp.full((B, 1), T + t, jnp.int32), cache))
+                outs.append(
+                    step(
+                        config,
+                        p,
+                        jnp.asarray(steps[:, t : t + 1]),
+                        jnp.full((B, 1), T + t, jnp.int32),
+                        cache,
+                    )
+                )
                 cache = outs[-1][1]
         cached = np.concatenate([np.asarray(o[0]) for o in outs], axis=1)
-        specs = {jax.tree_util.keystr(k): str(getattr(v.sharding, "spec", None))
-                 for k, v in jax.tree_util.tree_flatten_with_path(p)[0]}
+        specs = {
+            jax.tree_util.keystr(k): str(getattr(v.sharding, "spec", None))
+            for k, v in jax.tree_util.tree_flatten_with_path(p)[0]
+        }
         return np.asarray(logits), cached, specs, cache_spec
 
     ref_logits, ref_cached, _, _ = run(None, None)

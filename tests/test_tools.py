@@ -266,14 +266,11 @@ def pool():
 @pytest.mark.parametrize("protocol,segment", [
     ("torl", "Compute.\n```python\nimport sympy\nprint(sympy.factorint(360))\n```\n```output"),
     ("retool", "<code>\n```python\nimport sympy\nprint(sympy.factorint(360))\n```\n</code>"),
-    ("qwen", '<tool_call>{"name": "code_interpreter", "arguments": {"code": '
+    ("qwen", '<tool_call>{"name": "python", "arguments": {"code": '
              '"import sympy\\nprint(sympy.factorint(360))"}}</tool_call>'),
 ])
 def test_parse_execute_format_python(pool, protocol, segment):
     tool = PythonTool(pool=pool, tool_schema=None)
-    name = "code_interpreter" if protocol == "qwen" else "python"
-    if name != tool.name:
-        tool.name = name
     parser = get_parser(protocol)
     ex = ToolExecutor([tool])
     r = parser.parse(segment)

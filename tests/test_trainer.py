@@ -23,7 +23,7 @@ class FakeTrajectory:
     logprobs: list
     response_text: str
     tool_calls: tuple = ()
-    num_calls: int = 0
+    num_tool_calls: int = 0
     num_turns: int = 1
     finish_reason: str = "eos"
 

@@ -11,7 +11,7 @@ YAML (as verl users write it)::
         config: {mode: session, timeout_s: 5}
         tool_schema:                  # optional: overrides the class's own declaration
           type: function
-          function: {name: code_interpreter, description: ..., parameters: {...}}
+          function: {name: python, description: ..., parameters: {...}}
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ class PythonTool(Tool):
       tool_schema: optional override of the declaration (name/description/parameters).
     """
 
-    name = "code_interpreter"
+    name = "python"  # the name the parsers and the chat-template schema use
     description = ("Execute Python code and return what it prints to stdout (and the error on "
                    "failure). numpy and sympy are available; no network, no files outside the "
                    "working directory.")

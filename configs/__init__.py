@@ -1,0 +1,14 @@
+"""Shipped recipes (YAML), installed with the package as `jaxrl_tools.configs`."""
+
+from pathlib import Path
+
+DIR = Path(__file__).parent
+
+
+def path(name: str) -> Path:
+    """The YAML file of recipe `name` (e.g. "grpo_tool_math")."""
+    p = DIR / f"{name.removesuffix('.yaml')}.yaml"
+    if not p.is_file():
+        names = sorted(f.stem for f in DIR.glob("*.yaml"))
+        raise FileNotFoundError(f"no shipped config {name!r}; shipped: {names}")
+    return p

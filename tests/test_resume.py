@@ -1,0 +1,197 @@
+"""A run killed with SIGKILL and resumed reaches the same params and metrics as one that was not.
+
+`jaxrl_tools.run.train` runs in subprocesses (this file executed as a script: `python
+tests/test_resume.py CONFIG_JSON OUT_DIR`): once uninterrupted, once killed as soon as its first
+checkpoint is on disk (async saves may be cut mid-write) and then started again with
+`trainer.resume`. The resumed run must restore the policy, optimizer state, RNG, the data
+iterator's position and the rollout call counter (the rollout's sampling seeds) exactly.
+
+A tiny random policy, no tools (a random model does not call them; the rollout's tool path has
+its own tests) and a reward that varies with the sampled text, so that GRPO's advantages are not
+all zero and every step moves the params.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+STEPS = 8
+EVERY = 2
+HERE = Path(__file__).resolve().parent
+
+
+def text_reward(response: str, ground_truth=None, info=None) -> float:
+    """Varies with the sampled text (distinct characters mod 3), so groups are not all equal.
+
+    It also takes a little time, as a real verifier does: compiled steps of this tiny run are
+    otherwise so fast that the run would end before the kill lands."""
+    time.sleep(0.05)
+    return (len(set(response)) % 3) / 2.0
+
+
+def _config(tmp: Path, name: str) -> dict:
+    return {
+        "model": {
+            "tiny": {
+                "model_type": "qwen2",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 8,
+                "max_position_embeddings": 256,
+            }
+        },
+        "tokenizer": {"path": str(tmp / "tokenizer"), "vocab_size": 300},
+        "data": {
+            "task": "tool_arithmetic",
+            "task_train_size": 64,
+            "task_eval_size": 4,
+            "task_difficulty": 1,
+            "batch_size": 2,
+            "shuffle_seed": 3,
+        },
+        "rollout": {
+            "protocol": "none",
+            "group_size": 4,
+            "max_prompt_len": 96,  # prompts of this tokenizer are ~60-80 tokens
+            "max_response_len": 16,
+            "chunk_size": 8,
+            "slots": 8,
+        },
+        "algorithm": {"adv_estimator": "grpo", "kl_coef": 0.0},
+        "reward": [{"name": "test_resume:text_reward"}],
+        "optim": {"lr": 1e-3, "micro_batch_size": 4, "weight_decay": 0.0},
+        "trainer": {
+            "steps": STEPS,
+            "seed": 5,
+            "checkpoint_dir": str(tmp / name / "ckpt"),
+            "checkpoint_every": EVERY,
+            "keep_checkpoints": 3,
+            "resume": True,
+            "log_dir": str(tmp / name / "logs"),
+            "run_name": name,
+        },
+    }
+
+
+def _command(tmp: Path, name: str) -> list[str]:
+    cfg_path = tmp / f"{name}.json"
+    cfg_path.write_text(json.dumps(_config(tmp, name)))
+    return [sys.executable, __file__, str(cfg_path), str(tmp / name)]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _finished_steps(ckpt: Path) -> list[int]:
+    """Steps whose checkpoint was finalised (orbax renames a temporary folder at the end)."""
+    return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.exists() else []
+
+
+def _records(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resume")
+    env = _env()
+    full = subprocess.run(
+        _command(tmp, "full"), env=env, capture_output=True, text=True, timeout=600
+    )
+    assert full.returncode == 0, full.stderr[-4000:]
+
+    # Killed as soon as its first checkpoint is on disk, then run again to the end.
+    cmd = _command(tmp, "killed")
+    ckpt = tmp / "killed" / "ckpt"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 600
+    while not _finished_steps(ckpt) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-4000:]
+    resumed_from = _finished_steps(ckpt)[-1]
+    logged_before = len(_records(tmp / "killed" / "logs"))
+    resumed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    return tmp, resumed_from, logged_before
+
+
+def test_killed_mid_run(runs):
+    _, resumed_from, _ = runs
+    assert EVERY <= resumed_from < STEPS
+
+
+def test_resumed_run_continues_from_its_checkpoint(runs):
+    tmp, resumed_from, logged_before = runs
+    records = _records(tmp / "killed" / "logs")
+    after = [r["step"] for r in records[logged_before:]]
+    assert after == list(range(resumed_from + 1, STEPS + 1))
+
+
+def test_resumed_params_equal_uninterrupted(runs):
+    tmp, _, _ = runs
+    full = np.load(tmp / "full" / "params.npz")
+    killed = np.load(tmp / "killed" / "params.npz")
+    assert sorted(full.files) == sorted(killed.files)
+    init = np.load(tmp / "full" / "init.npz")
+    moved = max(float(np.abs(full[k] - init[k]).max()) for k in full.files)
+    assert moved > 1e-4  # the run did train
+    for k in full.files:
+        np.testing.assert_array_equal(killed[k], full[k], err_msg=k)
+
+
+def test_resumed_metrics_equal_uninterrupted(runs):
+    tmp, resumed_from, logged_before = runs
+    skip = ("step", "time", "time/", "throughput/")
+    full = {r["step"]: r for r in _records(tmp / "full" / "logs")}
+    resumed = _records(tmp / "killed" / "logs")[logged_before:]
+    assert resumed
+    for r in resumed:
+        ref = full[r["step"]]
+        keys = {k for k in ref if not k.startswith(skip)}
+        assert keys == {k for k in r if not k.startswith(skip)}
+        for k in sorted(keys):
+            assert r[k] == pytest.approx(ref[k], rel=1e-6, abs=1e-7), (r["step"], k)
+
+
+# ------------------------------------------------------------------------------------------------
+# the training side (runs in the subprocess)
+
+
+def _main(config_path: str, out_dir: str) -> None:
+    import jax
+
+    from jaxrl_tools import run
+    from jaxrl_tools.config import config_from_dict
+
+    cfg = config_from_dict(json.loads(Path(config_path).read_text()))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    flat = lambda tree: {
+        jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+    }
+    if not (out / "init.npz").exists():
+        tokenizer = run.setup_tokenizer(cfg)
+        _, init = run.setup_model(cfg, tokenizer)
+        np.savez(out / "init.npz", **flat(init))
+    summary = run.train(cfg)
+    np.savez(out / "params.npz", **flat(summary["params"]))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2])

@@ -28,13 +28,13 @@ def main():
 
     import jax
     import jax.numpy as jnp
-    from jaxrl_tools.tools import ToolExecutor, function_tool
 
     from jaxrl_tools import models
     from jaxrl_tools.engine import EngineCore
     from jaxrl_tools.rollout import RolloutLimits, run_rollouts
     from jaxrl_tools.sampling import GREEDY
     from jaxrl_tools.tokenizer import build_tokenizer
+    from jaxrl_tools.tools import ToolExecutor, function_tool
 
     tmp = tempfile.mkdtemp()
     tok = build_tokenizer(f"{tmp}/tok", vocab_size=512)

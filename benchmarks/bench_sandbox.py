@@ -20,6 +20,7 @@ import sys
 import time
 
 import numpy as np
+
 from jaxrl_tools.tools import SandboxConfig, SandboxPool
 
 SNIPPETS = {

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
 from jaxrl_tools.models.config import ModelConfig, load_config
 from jaxrl_tools.models.transformer import Params, logical_axes, param_shapes
 

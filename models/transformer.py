@@ -30,6 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from jaxrl_tools.models.cache import KVCache
 from jaxrl_tools.models.config import ModelConfig, rope_inv_freq
 from jaxrl_tools.sharding import constrain

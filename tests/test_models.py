@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from jaxrl_tools.sharding import make_mesh
 
 from jaxrl_tools import models as M
+from jaxrl_tools.sharding import make_mesh
 
 FWD = jax.jit(M.forward, static_argnums=0)
 HIDDEN = jax.jit(M.hidden_states, static_argnums=0)

@@ -18,9 +18,9 @@ import sys
 
 import pytest
 from jax.sharding import PartitionSpec as P
-from jaxrl_tools.sharding import DEFAULT_RULES, logical_to_spec
 
 from jaxrl_tools import models as M
+from jaxrl_tools.sharding import DEFAULT_RULES, logical_to_spec
 
 CONFIG = M.ModelConfig(
     "qwen3",
@@ -116,6 +116,7 @@ def _main(out_dir: str) -> None:
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding
+
     from jaxrl_tools.sharding import make_mesh, use_mesh
 
     assert jax.device_count() == 8, jax.devices()

@@ -1,6 +1,7 @@
 """Parsers of the tool-call protocols: calls, precise errors, observation formats."""
 
 import pytest
+
 from jaxrl_tools.tools import ParseResult, get_parser, last_traceback_line, truncate_middle
 
 

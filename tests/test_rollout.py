@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from jaxrl_tools.tools import Observation, ToolExecutor, function_tool, get_parser
 
 from jaxrl_tools import models
 from jaxrl_tools.engine import EngineCore
 from jaxrl_tools.rollout import BUDGET_NOTICE, RolloutLimits, run_rollouts
 from jaxrl_tools.sampling import GREEDY
 from jaxrl_tools.tokenizer import build_tokenizer
+from jaxrl_tools.tools import Observation, ToolExecutor, function_tool, get_parser
 
 VOCAB = 96
 

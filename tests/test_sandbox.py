@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from jaxrl_tools.tools import PythonTool, SandboxConfig, SandboxPool, SandboxUnavailableError
 from jaxrl_tools.tools import pool as pool_mod
 from jaxrl_tools.tools import sandbox as sandbox_mod

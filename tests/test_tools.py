@@ -5,6 +5,7 @@ import json
 from typing import Literal
 
 import pytest
+
 from jaxrl_tools.tools import (
     TOOL_REGISTRY,
     BM25Index,

@@ -26,6 +26,7 @@ import threading
 import time
 
 import numpy as np
+
 from jaxrl_tools.tools.sandbox import (
     SandboxConfig,
     SandboxUnavailableError,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import bm25s
 import numpy as np
+
 from jaxrl_tools.tools.base import Observation, Tool, register_tool, truncate_middle
 
 

@@ -37,7 +37,12 @@ def main(argv=None) -> int:
         p.add_argument("overrides", nargs="*", help="section.key=value overrides")
         return p
 
-    command("demo", "train a tiny policy to use the sandboxed Python tool (CPU, minutes)")
+    p = command("demo", "train a tiny policy to use the sandboxed Python tool (CPU, minutes)")
+    p.add_argument(
+        "--baseline-reward",
+        help="also run RL from the same SFT policy with only this reward, and compare "
+        "(e.g. `--config otc_tool_math --baseline-reward math`: OTC vs plain GRPO)",
+    )
     command("train", "SFT (if enabled) then RL, with checkpoints; resumes a killed run")
     p = command("sft", "the SFT stage alone; writes a Hugging Face folder")
     p.add_argument("--out", required=True)
@@ -63,7 +68,7 @@ def main(argv=None) -> int:
         print(f"jaxrl-tools: {e}", file=sys.stderr)
         return 2
     if args.command == "demo":
-        run.demo(cfg)
+        run.demo(cfg, baseline_reward=args.baseline_reward)
     elif args.command == "train":
         summary = run.train(cfg)
         print({k: v for k, v in summary["final_metrics"].items() if not k.startswith("time")})

@@ -160,6 +160,7 @@ class DataSection:
     task_train_size: int = 2000
     task_eval_size: int = 200
     task_difficulty: int = 2
+    task_eval_all_levels: bool = False  # eval on levels 0..task_difficulty, not only the top
 
     def __post_init__(self):
         _check(self.batch_size >= 1, "data.batch_size", "must be >= 1")
@@ -426,6 +427,7 @@ class SFTSection:
     max_len: int = 1024
     num_traces: int = 2000  # generated traces when train_files is empty (demo)
     tool_mix: float = 0.8  # fraction of tool-using traces among non-trivial problems
+    easy_tool_mix: float = 0.0  # fraction of tool-using traces among easy problems
 
     def __post_init__(self):
         _check(self.epochs >= 0, "sft.epochs", "must be >= 0")
@@ -433,6 +435,7 @@ class SFTSection:
         _check(self.batch_size >= 1, "sft.batch_size", "must be >= 1")
         _check(self.max_len >= 1, "sft.max_len", "must be >= 1")
         _check(0 <= self.tool_mix <= 1, "sft.tool_mix", "must be in [0, 1]")
+        _check(0 <= self.easy_tool_mix <= 1, "sft.easy_tool_mix", "must be in [0, 1]")
 
 
 def _default_rewards() -> tuple[RewardSpec, ...]:

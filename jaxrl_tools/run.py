@@ -93,14 +93,15 @@ def setup_tools(cfg: RunConfig) -> list:
 
 
 def task_records(cfg: RunConfig, split: str) -> list[dict]:
-    """Records of the generated task (train and held-out eval use disjoint seeds)."""
+    """Records of the generated task (the held-out eval set is drawn from another seed)."""
     d = cfg.data
     n, seed = (
         (d.task_train_size, d.shuffle_seed)
         if split == "train"
         else (d.task_eval_size, d.shuffle_seed + 10_000)
     )
-    levels = tuple(range(d.task_difficulty + 1)) if split == "train" else (d.task_difficulty,)
+    all_levels = tuple(range(d.task_difficulty + 1))
+    levels = all_levels if split == "train" or d.task_eval_all_levels else (d.task_difficulty,)
     return [p.to_record(tools=()) for p in tasks.make_problems(n, seed=seed, difficulty=levels)]
 
 
@@ -208,6 +209,7 @@ def make_engine(cfg: RunConfig, model_cfg, params, tokenizer, mesh=None):
 
 def evaluate(cfg: RunConfig, rollout: Rollout, params, records: Sequence[dict], reward) -> dict:
     """Greedy (or `rollout.eval_temperature`) accuracy and tool statistics on `records`."""
+    from jaxrl_tools.rewards import TrajectoryInfo, is_correct
     from jaxrl_tools.trainer import rollout_metrics
 
     g = cfg.rollout.eval_group_size
@@ -222,7 +224,6 @@ def evaluate(cfg: RunConfig, rollout: Rollout, params, records: Sequence[dict], 
             seed=cfg.trainer.seed + i,
         )
     gts = [records[i // g].get("ground_truth") for i in range(len(trajs))]
-    from jaxrl_tools.rewards import TrajectoryInfo
 
     infos = [
         TrajectoryInfo(
@@ -238,10 +239,18 @@ def evaluate(cfg: RunConfig, rollout: Rollout, params, records: Sequence[dict], 
     )
     metrics = rollout_metrics(trajs, scores, parts)
     metrics["num_problems"] = len(records)
+    # Accuracy by the answer alone, whatever the reward (OTC's reward also weighs tool calls).
+    kind = "qa" if any(r.name == "qa_em" for r in cfg.reward) else "math"
+    correct = np.array([is_correct(t.response_text, gt, kind) for t, gt in zip(trajs, gts)])
+    used = np.array([t.num_tool_calls > 0 for t in trajs])
+    metrics["reward/accuracy"] = float(correct.mean())
     if g > 1:  # pass@g: any of a problem's g samples correct
-        key = "math" if "math" in parts else next(iter(parts))
-        correct = (np.asarray(parts[key]) > 0).reshape(-1, g)
-        metrics[f"reward/pass@{g}"] = float(correct.any(axis=1).mean())
+        metrics[f"reward/pass@{g}"] = float(correct.reshape(-1, g).any(axis=1).mean())
+    levels = np.array([records[i // g].get("difficulty", -1) for i in range(len(trajs))])
+    for lv in sorted(set(levels.tolist()) - {-1}):
+        sel = levels == lv
+        metrics[f"level/{lv}/accuracy"] = float(correct[sel].mean())
+        metrics[f"level/{lv}/tool"] = float(used[sel].mean())
     metrics["_examples"] = [
         {
             "prompt": records[i // g].get("prompt"),
@@ -329,15 +338,27 @@ def _strip_private(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not k.startswith("_")}
 
 
-def train(cfg: RunConfig, *, evaluate_before_after: bool = False) -> dict:
+def train(
+    cfg: RunConfig,
+    *,
+    evaluate_before: bool = False,
+    evaluate_after: bool = False,
+    init_params: Any = None,
+    keep_init_params: bool = False,
+) -> dict:
     """SFT (when enabled) then RL for `trainer.steps` steps, with checkpoints and metrics.
 
     Resumes from the newest checkpoint in `trainer.checkpoint_dir` when `trainer.resume` is set
     (the SFT stage is then skipped: the checkpoint holds the policy after it).
 
+    Args:
+      cfg: the run config.
+      evaluate_before, evaluate_after: evaluate on the held-out records before / after RL.
+      init_params: start RL from these params (e.g. another run's SFT policy): no SFT stage.
+      keep_init_params: keep a copy of the policy RL starts from in `summary["init_params"]`.
+
     Returns:
-      A summary: final metrics, and with `evaluate_before_after` the held-out evaluation of the
-      policy before and after RL.
+      A summary: final metrics, and the held-out evaluations asked for ("before", "after").
     """
     from jaxrl_tools.checkpoint import Checkpointer
     from jaxrl_tools.metrics import MetricsLogger
@@ -371,13 +392,15 @@ def train(cfg: RunConfig, *, evaluate_before_after: bool = False) -> dict:
     logger = MetricsLogger(run_dir, total_steps=t.steps, desc=t.run_name)
     summary: dict[str, Any] = {"run_name": t.run_name}
     try:
-        if cfg.sft.enabled and not resuming:
+        if init_params is not None:
+            params = init_params
+        elif cfg.sft.enabled and not resuming:
             t0 = time.perf_counter()
             params = run_sft(cfg, model_cfg, params, tokenizer)
             summary["sft_time_s"] = time.perf_counter() - t0
-        evals = eval_records(cfg) if (evaluate_before_after or t.eval_every) else []
+        evals = eval_records(cfg) if (evaluate_before or evaluate_after or t.eval_every) else []
         before_path = run_dir / "eval_before_rl.json"
-        if evaluate_before_after:
+        if evaluate_before:
             if resuming and before_path.exists():
                 summary["before"] = json.loads(before_path.read_text())
             else:
@@ -409,7 +432,7 @@ def train(cfg: RunConfig, *, evaluate_before_after: bool = False) -> dict:
             ckpt.save(step, trainer.checkpoint_state(), extras, force=step == t.steps)
         ckpt.wait()
         summary["final_metrics"] = _strip_private(metrics)
-        if evaluate_before_after:
+        if evaluate_after:
             summary["after"] = evaluate(cfg, rollout, trainer.params, evals, reward)
         summary["plot"] = str(logger.plot() or "")
         summary["params"] = trainer.params
@@ -502,29 +525,52 @@ def sft_only(cfg: RunConfig, out: str) -> Path:
 # ---------------------------------------------------------------------------------- demo
 
 
-def demo_report(summary: dict) -> str:
-    """The demo's report: SFT policy vs RL policy on held-out problems (greedy)."""
+def _report_row(name: str, m: dict) -> str:
+    levels = sorted(k.split("/")[1] for k in m if k.startswith("level/") and k.endswith("/tool"))
+    by_level = ", ".join(
+        f"L{lv}: {m[f'level/{lv}/accuracy'] * 100:.0f}% / {m[f'level/{lv}/tool'] * 100:.0f}%"
+        for lv in levels
+    )
+    return (
+        f"| {name} | {m['reward/accuracy'] * 100:.1f}% | {m['tools/used_frac'] * 100:.1f}% | "
+        f"{m['tools/calls_per_response']:.2f} | {m['tools/error_rate']:.2f} | {by_level} |"
+    )
+
+
+def demo_report(summary: dict, baseline: dict | None = None) -> str:
+    """The demo's report: the SFT policy vs the RL policy (and a baseline RL run) on held-out
+    problems, greedy."""
     b, a = summary["before"], summary["after"]
     acc_b, acc_a = b["reward/accuracy"] * 100, a["reward/accuracy"] * 100
     tool_b, tool_a = b["tools/used_frac"] * 100, a["tools/used_frac"] * 100
+    name = f"SFT + RL ({summary['reward_name']})"
     lines = [
         f"# jaxrl-tools demo: {summary['run_name']}",
         "",
         f"Held-out problems: {a['num_problems']} (greedy decoding, sandboxed Python tool).",
         "",
         "| policy | accuracy | responses calling the tool | tool calls / response | "
-        "tool error rate |",
-        "| --- | --- | --- | --- | --- |",
-        f"| SFT (before RL) | {acc_b:.1f}% | {tool_b:.1f}% | "
-        f"{b['tools/calls_per_response']:.2f} | {b['tools/error_rate']:.2f} |",
-        f"| SFT + RL | {acc_a:.1f}% | {tool_a:.1f}% | "
-        f"{a['tools/calls_per_response']:.2f} | {a['tools/error_rate']:.2f} |",
-        "",
-        f"RL changed held-out accuracy by {acc_a - acc_b:+.1f} points "
-        f"({acc_b:.1f}% -> {acc_a:.1f}%) and the tool-call rate by {tool_a - tool_b:+.1f} points.",
-        "",
-        "Examples after RL:",
+        "tool error rate | by difficulty (accuracy / tool use) |",
+        "| --- | --- | --- | --- | --- | --- |",
+        _report_row("SFT (before RL)", b),
     ]
+    if baseline is not None:
+        lines.append(_report_row(f"SFT + RL ({baseline['reward_name']})", baseline["after"]))
+    lines += [
+        _report_row(name, a),
+        "",
+        f"RL ({summary['reward_name']}) changed held-out accuracy by {acc_a - acc_b:+.1f} points "
+        f"({acc_b:.1f}% -> {acc_a:.1f}%) and the tool-call rate by {tool_a - tool_b:+.1f} points.",
+    ]
+    if baseline is not None:
+        base = baseline["after"]
+        lines.append(
+            f"Against RL with {baseline['reward_name']} from the same SFT policy: accuracy "
+            f"{(a['reward/accuracy'] - base['reward/accuracy']) * 100:+.1f} points, tool calls "
+            f"per response {a['tools/calls_per_response']:.2f} vs "
+            f"{base['tools/calls_per_response']:.2f}."
+        )
+    lines += ["", "Examples after RL:"]
     for ex in a.get("_examples", []):
         lines.append(
             f"- {ex['prompt']!r} -> {ex['response']!r} (answer {ex['ground_truth']}, "
@@ -535,18 +581,47 @@ def demo_report(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def demo(cfg: RunConfig) -> dict:
-    """SFT cold start, held-out eval, GRPO with the sandbox in the loop, held-out eval, report."""
+def _reward_name(cfg: RunConfig) -> str:
+    return "+".join(r.name for r in cfg.reward)
+
+
+def demo(cfg: RunConfig, *, baseline_reward: str | None = None) -> dict:
+    """SFT cold start, held-out eval, GRPO with the sandbox in the loop, held-out eval, report.
+
+    With `baseline_reward` (e.g. "math"), a second RL run starts from the same SFT policy with
+    only that reward, and the report compares the two (OTC vs plain GRPO).
+    """
+    import dataclasses
+
+    from jaxrl_tools.config import RewardSpec
+
     t0 = time.perf_counter()
-    summary = train(cfg, evaluate_before_after=True)
-    summary["wall_time_s"] = time.perf_counter() - t0
-    report = demo_report(summary)
+    summary = train(cfg, evaluate_before=True, evaluate_after=True,
+                    keep_init_params=baseline_reward is not None)
+    summary["reward_name"] = _reward_name(cfg)
     out = Path(cfg.trainer.log_dir)
+    baseline = None
+    if baseline_reward is not None:
+        t = cfg.trainer
+        base_cfg = dataclasses.replace(
+            cfg,
+            reward=(RewardSpec(baseline_reward, 1.0, {}),),
+            trainer=dataclasses.replace(
+                t, log_dir=str(out / "baseline"), run_name=f"{t.run_name}_baseline",
+                checkpoint_dir=str(Path(t.checkpoint_dir) / "baseline"),
+            ),
+        )
+        baseline = train(base_cfg, evaluate_after=True, init_params=summary.pop("init_params"))
+        baseline["reward_name"] = baseline_reward
+    summary["wall_time_s"] = time.perf_counter() - t0
+    report = demo_report(summary, baseline)
     (out / "report.md").write_text(report)
-    write_json(
-        out / "report.json",
-        {k: v for k, v in summary.items() if k not in ("params", "model_config", "tokenizer")},
-    )
+    keep = lambda d: {k: v for k, v in d.items() if k not in _NOT_JSON}
+    write_json(out / "report.json", {**keep(summary),
+                                     "baseline": keep(baseline) if baseline else None})
     print(report)
     print(f"(wall time {summary['wall_time_s']:.0f} s; report in {out / 'report.md'})")
     return summary
+
+
+_NOT_JSON = ("params", "model_config", "tokenizer", "init_params")

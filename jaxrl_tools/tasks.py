@@ -211,6 +211,7 @@ def sft_traces(
     protocol: str = "qwen",
     seed: int = 0,
     system_prompt: str | None = None,
+    easy_mix: float = 0.0,
 ) -> list[dict]:
     """SFT conversations: tool use for non-easy problems (with probability `mix`), direct
     answers for easy ones (and the rest).
@@ -224,6 +225,8 @@ def sft_traces(
         (<code> / <interpreter>): must match the rollout protocol (the tools parser name).
       seed: seed of the tool/direct draw.
       system_prompt: optional system message.
+      easy_mix: probability that an easy problem is solved with the tool (a policy that
+        over-uses the tool, for OTC's tool-efficiency runs).
 
     Returns:
       A list of dicts: id, messages, tools (the qwen protocol's JSON schemas, else []),
@@ -231,13 +234,14 @@ def sft_traces(
     """
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-    if not 0.0 <= mix <= 1.0:
-        raise ValueError(f"mix must be in [0, 1], got {mix}")
+    for name, value in (("mix", mix), ("easy_mix", easy_mix)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}")
     rng = random.Random(seed)
     tools = [_python_schema()] if protocol == "qwen" else []
     out = []
     for p in problems:
-        use_tool = (not p.is_easy) and rng.random() < mix
+        use_tool = rng.random() < (easy_mix if p.is_easy else mix)
         messages = trace_messages(p, use_tool, protocol)
         rec = {
             "id": p.id,

@@ -125,8 +125,14 @@ def test_validation_errors_name_field(override, needle):
     assert needle in str(e.value)
 
 
-def test_tool_class_alias_and_derived():
-    cfg = load_config(DEMO)
+def test_tool_class_alias_and_derived(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "tokenizer: {path: tok}\n"
+        "tools:\n  - {class: python, config: {mode: stateless}}\n"
+        "algorithm: {kl_coef: 0.001}\n"
+    )
+    cfg = load_config(path)
     assert cfg.tools[0].cls == "python" and cfg.tools[0].config == {"mode": "stateless"}
     assert cfg.use_reference_model and cfg.algorithm.kl_in_loss
     assert not cfg.algorithm.uses_critic

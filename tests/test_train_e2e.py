@@ -93,17 +93,16 @@ def setup(tmp_path_factory):
         run._close_tool(tool)
 
 
-def _trainer(cfg, setup, rollout_fn=None, seed=0):
+def _trainer(cfg, setup, seed=0):
     tok, model_cfg, engine, executor = setup
     params = models.init_params(model_cfg, jax.random.key(seed))
     captured = []
-    if rollout_fn is None:
-        rollout = run.Rollout(cfg, engine, tok, executor)
+    rollout = run.Rollout(cfg, engine, tok, executor)
 
-        def rollout_fn(records, group_size, params):
-            trajs = rollout(records, group_size, params)
-            captured.append(trajs)
-            return trajs
+    def rollout_fn(records, group_size, params):
+        trajs = rollout(records, group_size, params)
+        captured.append(trajs)
+        return trajs
 
     reward = CompositeReward([(s.name, s.weight, s.kwargs) for s in cfg.reward])
     init = jax.tree.map(np.array, params)
@@ -164,22 +163,30 @@ def test_objective_has_zero_gradient_at_masked_tokens(grpo):
     assert np.abs(np.asarray(g_logp)[~masked]).max() > 0
 
 
-def test_ppo_with_critic_steps_with_the_sandbox(setup):
+@pytest.fixture(scope="module")
+def ppo(setup):
     cfg = _config(adv_estimator="gae", lam=0.95, critic={"enabled": True, "lr": 1e-3})
-    trainer, init, _, _ = _trainer(cfg, setup)
+    trainer, init, captured = _trainer(cfg, setup)
+    # The updates donate the state: keep copies to start again from it.
+    start = jax.tree.map(jnp.copy, (trainer.state, trainer.critic_state))
     critic_init = jax.tree.map(np.array, trainer.critic_state.params)
-    for _ in range(2):
-        m = trainer.step(RECORDS)
+    metrics = [trainer.step(RECORDS) for _ in range(2)]
+    return trainer, init, critic_init, start, captured, metrics
+
+
+def test_ppo_with_critic_steps_with_the_sandbox(ppo):
+    trainer, init, critic_init, _, _, metrics = ppo
+    for m in metrics:
         assert np.isfinite(m["actor/loss"]) and np.isfinite(m["critic/loss"])
+        assert m["tools/calls_per_response"] == pytest.approx(0.75)
     assert _max_change(trainer.params, init) > 1e-4
     assert _max_change(trainer.critic_state.params, critic_init) > 1e-4
 
 
-def test_a_masked_final_token_changes_nothing(grpo, setup):
-    """PPO (actor and critic): sandbox trajectories ending in one extra mask-0 token; changing
-    that token leaves every param of both updates bit-identical."""
-    _, _, captured, _ = grpo
-    cfg = _config(adv_estimator="gae", lam=0.95, critic={"enabled": True, "lr": 1e-3})
+def test_a_masked_final_token_changes_nothing(ppo):
+    """PPO (actor and critic) on the sandbox trajectories, each ending in one extra mask-0
+    token: changing that token leaves every param of both updates bit-identical."""
+    trainer, _, _, start, captured, _ = ppo
     results = []
     for token in (5, 6):
         trajs = [
@@ -187,8 +194,8 @@ def test_a_masked_final_token_changes_nothing(grpo, setup):
                                 loss_mask=t.loss_mask + [0], logprobs=t.logprobs + [0.0])
             for t in captured[0]
         ]
-        trainer, _, _ = _trainer(cfg, setup, rollout_fn=lambda r, g, p, trajs=trajs: trajs)
+        trainer.state, trainer.critic_state = jax.tree.map(jnp.copy, start)
+        trainer.rollout = lambda r, g, p, trajs=trajs: trajs
         trainer.step(RECORDS)
-        results.append((trainer.params, trainer.critic_state.params))
-    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
-                 results[0], results[1])
+        results.append(jax.tree.map(np.array, (trainer.params, trainer.critic_state.params)))
+    jax.tree.map(np.testing.assert_array_equal, results[0], results[1])

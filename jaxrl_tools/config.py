@@ -366,7 +366,6 @@ class CriticSection:
     lr: float = 1e-5
     warmup_steps: int = 0
     value_clip_eps: float = 0.5
-    value_coef: float = 1.0
     lam: float = 1.0  # critic GAE λ (VAPO decoupled GAE: 1.0)
     pretrain_steps: int = 0  # VAPO value pre-training steps before the policy moves
 

@@ -27,17 +27,20 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = 256,
+    remat: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-probs and entropies of each token under the policy, aligned to the tokens.
 
     The logits are divided by `temperature`, as the sampler did (so PPO ratios compare like with
     like). Works in chunks over the sequence: no [B, T, V] float32 array is materialised.
+    `remat` recomputes each decoder layer in the backward pass (memory for compute).
 
     Returns:
       (logp_BT, entropy_BT), float32, 0 where `loss_mask_BT` is 0 and at t = 0.
     """
     h_BTD = models.hidden_states(
-        model_cfg, params, tokens_BT, attention_mask=attention_BT, positions=positions_BT
+        model_cfg, params, tokens_BT, attention_mask=attention_BT, positions=positions_BT,
+        remat=remat,
     )
     logp, ent = chunked_token_logprobs_and_entropy(
         h_BTD[:, :-1],

@@ -102,7 +102,9 @@ def task_records(cfg: RunConfig, split: str) -> list[dict]:
     )
     all_levels = tuple(range(d.task_difficulty + 1))
     levels = all_levels if split == "train" or d.task_eval_all_levels else (d.task_difficulty,)
-    return [p.to_record(tools=()) for p in tasks.make_problems(n, seed=seed, difficulty=levels)]
+    # Function calling declares the tool in the system turn; inline protocols need no schema.
+    tools = ("python",) if cfg.rollout.protocol in ("qwen", "hermes") else ()
+    return [p.to_record(tools=tools) for p in tasks.make_problems(n, seed=seed, difficulty=levels)]
 
 
 def eval_records(cfg: RunConfig) -> list[dict]:
@@ -174,7 +176,7 @@ class Rollout:
         if seed is None:  # a new key per call, reproducible from the run seed
             seed = self.cfg.trainer.seed * 1_000_003 + self.calls
         self.calls += 1
-        prompts = [data_lib.prompt_messages(rec, self.cfg.data.system_prompt) for rec in records]
+        prompts = [self.encode_prompt(rec) for rec in records]
         return run_rollouts(
             self.engine,
             params,
@@ -186,8 +188,21 @@ class Rollout:
             limits=self.limits,
             sampling=sampling,
             rng=seed,
-            tools_schema=self.tools_schema,
         )
+
+    def encode_prompt(self, record: dict) -> list[int]:
+        """The record's prompt through the chat template, with its tool declarations."""
+        text = data_lib.render_prompt(
+            self.tokenizer, record, self.tools_schema or None, self.cfg.data.system_prompt
+        )
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        limit = self.cfg.rollout.max_prompt_len
+        if len(ids) > limit:
+            raise ValueError(
+                f"prompt of record {record.get('id', record.get('prompt'))!r} has {len(ids)} "
+                f"tokens, more than rollout.max_prompt_len={limit}"
+            )
+        return ids
 
 
 def make_engine(cfg: RunConfig, model_cfg, params, tokenizer, mesh=None):
@@ -304,6 +319,7 @@ def run_sft(cfg: RunConfig, model_cfg, params, tokenizer, logger=None):
 
     traces = sft_traces(cfg, tokenizer)
     log.info("SFT on %d traces for %d epochs", len(traces), cfg.sft.epochs)
+
     def on_step(step, metrics):
         if logger is not None:
             logger.log(step, metrics)
@@ -596,8 +612,9 @@ def demo(cfg: RunConfig, *, baseline_reward: str | None = None) -> dict:
     from jaxrl_tools.config import RewardSpec
 
     t0 = time.perf_counter()
-    summary = train(cfg, evaluate_before=True, evaluate_after=True,
-                    keep_init_params=baseline_reward is not None)
+    summary = train(
+        cfg, evaluate_before=True, evaluate_after=True, keep_init_params=baseline_reward is not None
+    )
     summary["reward_name"] = _reward_name(cfg)
     out = Path(cfg.trainer.log_dir)
     baseline = None
@@ -607,7 +624,9 @@ def demo(cfg: RunConfig, *, baseline_reward: str | None = None) -> dict:
             cfg,
             reward=(RewardSpec(baseline_reward, 1.0, {}),),
             trainer=dataclasses.replace(
-                t, log_dir=str(out / "baseline"), run_name=f"{t.run_name}_baseline",
+                t,
+                log_dir=str(out / "baseline"),
+                run_name=f"{t.run_name}_baseline",
                 checkpoint_dir=str(Path(t.checkpoint_dir) / "baseline"),
             ),
         )
@@ -617,8 +636,9 @@ def demo(cfg: RunConfig, *, baseline_reward: str | None = None) -> dict:
     report = demo_report(summary, baseline)
     (out / "report.md").write_text(report)
     keep = lambda d: {k: v for k, v in d.items() if k not in _NOT_JSON}
-    write_json(out / "report.json", {**keep(summary),
-                                     "baseline": keep(baseline) if baseline else None})
+    write_json(
+        out / "report.json", {**keep(summary), "baseline": keep(baseline) if baseline else None}
+    )
     print(report)
     print(f"(wall time {summary['wall_time_s']:.0f} s; report in {out / 'report.md'})")
     return summary

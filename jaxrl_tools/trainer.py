@@ -280,6 +280,7 @@ class RLTrainer:
     def _build_fns(self) -> None:
         mcfg, pcfg, T = self.model_cfg, self.pcfg, self.temperature
         nll_coef = self.cfg.algorithm.nll_coef
+        remat = self.cfg.model.remat
 
         def logprobs(params, b):
             return policy.token_logprobs(
@@ -290,6 +291,7 @@ class RLTrainer:
                 b["attention"],
                 b["loss_mask"],
                 temperature=T,
+                remat=remat,
             )
 
         def actor_loss(params, mb, denom):
@@ -306,6 +308,9 @@ class RLTrainer:
             )
             loss = terms.loss
             metrics = dict(terms.metrics)
+            # pg_loss is this micro-batch's share of the mini-batch loss (global denominator):
+            # the shares add up to "loss", they do not average, so it is not reported twice.
+            metrics.pop("pg_loss", None)
             if nll_coef:  # VAPO: NLL on the tokens of correct responses
                 pos = mb["loss_mask"] * mb["correct"][:, None]
                 nll, _ = algorithms.aggregate(
@@ -497,6 +502,15 @@ class RLTrainer:
         )
         return metrics
 
+    def _actor_moves(self) -> bool:
+        """False during VAPO's value pre-training: the first `critic.pretrain_steps` RL steps
+        train only the critic."""
+        if self.critic_state is None or not self.cfg.critic.pretrain_steps:
+            return True
+        o = self.cfg.optim
+        rl_steps_done = int(self.critic_state.step) // (o.ppo_epochs * o.num_mini_batches)
+        return rl_steps_done >= self.cfg.critic.pretrain_steps
+
     def _update(self, batch: dict) -> dict[str, float]:
         o = self.cfg.optim
         n_mini = o.num_mini_batches
@@ -521,9 +535,11 @@ class RLTrainer:
                 idx = (
                     jnp.asarray(idx) if self.mesh is None else jax.device_put(idx, self._replicated)
                 )
-                actor_batch = {key: batch[key] for key in actor_keys}
-                self.state, m = self._actor_update(self.state, actor_batch, idx)
-                m = {f"actor/{key}": v for key, v in m.items()}
+                m = {}
+                if self._actor_moves():
+                    actor_batch = {key: batch[key] for key in actor_keys}
+                    self.state, m = self._actor_update(self.state, actor_batch, idx)
+                    m = {f"actor/{key}": v for key, v in m.items()}
                 if self.critic_state is not None:
                     critic_batch = {key: batch[key] for key in critic_keys}
                     self.critic_state, cm = self._critic_update(

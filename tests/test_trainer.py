@@ -143,18 +143,35 @@ def test_micro_batching_matches_full_batch():
                  full.params, micro.params)
 
 
-def test_ppo_with_critic_learns_values():
-    trajs = fixed_trajectories()
-    cfg = config_from_dict({
+def ppo_config(**critic):
+    return config_from_dict({
         "tokenizer": {"path": "unused"},
         "data": {"batch_size": 2},
         "rollout": {"group_size": 4, "max_response_len": 16},
         "algorithm": {"adv_estimator": "gae", "kl_coef": 0.0, "lam": 0.95},
-        "critic": {"enabled": True, "lr": 1e-2},
+        "critic": {"enabled": True, "lr": 1e-2, **critic},
         "reward": [{"name": "math", "kwargs": {"correct": 1.0, "wrong": 0.0}}],
         "optim": {"lr": 1e-3, "micro_batch_size": 4, "grad_clip": None},
     })
-    trainer = make_trainer(cfg, trajs)
+
+
+def test_value_pretraining_holds_the_actor():
+    trainer = make_trainer(ppo_config(pretrain_steps=2), fixed_trajectories())
+    start = jax.tree.map(np.array, trainer.params)
+    critic_start = jax.tree.map(np.array, trainer.critic_state.params)
+    for _ in range(2):
+        metrics = trainer.step(RECORDS)
+    assert "actor/loss" not in metrics and "critic/loss" in metrics
+    jax.tree.map(np.testing.assert_array_equal, start, trainer.params)
+    moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), critic_start,
+                         trainer.critic_state.params)
+    assert max(jax.tree.leaves(moved)) > 0
+    assert "actor/loss" in trainer.step(RECORDS)
+
+
+def test_ppo_with_critic_learns_values():
+    trajs = fixed_trajectories()
+    trainer = make_trainer(ppo_config(), trajs)
     first = trainer.step(RECORDS)
     for _ in range(8):
         last = trainer.step(RECORDS)

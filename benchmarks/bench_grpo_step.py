@@ -277,7 +277,8 @@ def main():
     o_step = med([r["step_s"] for r in timed])
     o_gen = med([r["generate_s"] for r in timed])
     o_rest = med([r["rest_s"] for r in timed])
-    rows = [("jaxrl-tools (ours)", o_step, o_gen, o_rest, f"n={len(timed)}")]
+    o_min = min(r["step_s"] for r in timed)
+    rows = [("jaxrl-tools (ours)", o_step, o_gen, o_rest, f"n={len(timed)}, min step {o_min:.2f}")]
     if trl_runs:
         sw = [x for r in trl_runs for x in r["measured_step_s"]]
         g = [x for r in trl_runs for x in r["measured_generate_s"]]
@@ -285,7 +286,7 @@ def main():
                                                         r["measured_generate_s"])]
         v = trl_runs[0]["versions"]
         rows.append((f"TRL {v.get('trl')} (torch {v.get('torch')})", med(sw), med(g), med(rest),
-                     f"n={len(sw)}, measured now"))
+                     f"n={len(sw)}, min step {min(sw):.2f}, measured now"))
     for name, s, g, rest in published_rows(peer_dir):
         rows.append((f"{name} [published]", s, g, rest, "README, quiet machine"))
     print()

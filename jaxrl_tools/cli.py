@@ -16,6 +16,8 @@ def _load(args):
     from jaxrl_tools import configs
     from jaxrl_tools.config import load_config
 
+    if getattr(args, "resume", False):
+        args.overrides = [*args.overrides, "trainer.resume=true"]
     source = args.config or DEMO_CONFIG
     path = Path(source)
     if not path.is_file():
@@ -43,7 +45,12 @@ def main(argv=None) -> int:
         help="also run RL from the same SFT policy with only this reward, and compare "
         "(e.g. `--config otc_tool_math --baseline-reward math`: OTC vs plain GRPO)",
     )
-    command("train", "SFT (if enabled) then RL, with checkpoints; resumes a killed run")
+    p = command("train", "SFT (if enabled) then RL, with checkpoints; resumes a killed run")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint (same as trainer.resume=true)",
+    )
     p = command("sft", "the SFT stage alone; writes a Hugging Face folder")
     p.add_argument("--out", required=True)
     p = command("eval", "accuracy / pass@k and tool statistics on the eval data")

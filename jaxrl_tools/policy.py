@@ -9,12 +9,16 @@ first column is always 0 and `loss_mask_BT` marks the same positions as the roll
 import jax
 import jax.numpy as jnp
 
-from jaxrl_tools import models
-from jaxrl_tools.algorithms import chunked_token_logprobs_and_entropy
+from jaxrl_tools import algorithms, models
 
 
 def _shift_right(x_BT: jax.Array) -> jax.Array:
     return jnp.pad(x_BT[:, :-1], ((0, 0), (1, 0)))
+
+
+# Below this many logits per batch ([B, T, V] float32 = 4 bytes each) the plain path is used:
+# chunking and recomputing in the backward pass only cost time when the logits fit anyway.
+PLAIN_LOGITS_MAX = 1 << 25
 
 
 def token_logprobs(
@@ -28,28 +32,43 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 256,
     remat: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-probs and entropies of each token under the policy, aligned to the tokens.
 
     The logits are divided by `temperature`, as the sampler did (so PPO ratios compare like with
-    like). Works in chunks over the sequence: no [B, T, V] float32 array is materialised.
-    `remat` recomputes each decoder layer in the backward pass (memory for compute).
+    like). Large batches work in chunks over the sequence, so no [B, T, V] float32 array is
+    materialised; small ones (< PLAIN_LOGITS_MAX logits) take the plain, faster path.
+    `remat` recomputes each decoder layer in the backward pass (memory for compute). The
+    entropy carries no gradient unless `entropy_grad` (an entropy bonus needs it).
 
     Returns:
       (logp_BT, entropy_BT), float32, 0 where `loss_mask_BT` is 0 and at t = 0.
     """
     h_BTD = models.hidden_states(
-        model_cfg, params, tokens_BT, attention_mask=attention_BT, positions=positions_BT,
+        model_cfg,
+        params,
+        tokens_BT,
+        attention_mask=attention_BT,
+        positions=positions_BT,
         remat=remat,
     )
-    logp, ent = chunked_token_logprobs_and_entropy(
-        h_BTD[:, :-1],
-        models.unembed(model_cfg, params),
-        tokens_BT[:, 1:],
-        loss_mask_BT[:, 1:],
-        chunk_size=chunk_size,
-        temperature=temperature,
-    )
+    h, W = h_BTD[:, :-1], models.unembed(model_cfg, params)
+    targets, mask = tokens_BT[:, 1:], loss_mask_BT[:, 1:]
+    if h.shape[0] * h.shape[1] * W.shape[1] <= PLAIN_LOGITS_MAX:
+        logits = jnp.einsum("btd,dv->btv", h, W.astype(h.dtype), preferred_element_type=jnp.float32)
+        logp = algorithms.token_logprobs(logits, targets, mask, temperature=temperature)
+        ent = algorithms.token_entropy(
+            logits if entropy_grad else jax.lax.stop_gradient(logits),
+            mask,
+            temperature=temperature,
+        )
+    else:
+        logp, ent = algorithms.chunked_token_logprobs_and_entropy(
+            h, W, targets, mask, chunk_size=chunk_size, temperature=temperature
+        )
+        if not entropy_grad:
+            ent = jax.lax.stop_gradient(ent)
     pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
     return pad(logp), pad(ent)
 

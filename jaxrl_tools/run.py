@@ -314,7 +314,7 @@ def sft_traces(cfg: RunConfig, tokenizer) -> list:
     return [t["segments"] for t in traces]
 
 
-def run_sft(cfg: RunConfig, model_cfg, params, tokenizer, logger=None):
+def run_sft(cfg: RunConfig, model_cfg, params, tokenizer, logger=None, mesh=None):
     from jaxrl_tools import sft
 
     traces = sft_traces(cfg, tokenizer)
@@ -339,6 +339,7 @@ def run_sft(cfg: RunConfig, model_cfg, params, tokenizer, logger=None):
         micro_batch_size=cfg.optim.micro_batch_size,
         seed=cfg.trainer.seed,
         on_step=on_step,
+        mesh=mesh,
     )
 
 
@@ -412,7 +413,7 @@ def train(
             params = init_params
         elif cfg.sft.enabled and not resuming:
             t0 = time.perf_counter()
-            params = run_sft(cfg, model_cfg, params, tokenizer)
+            params = run_sft(cfg, model_cfg, params, tokenizer, mesh=mesh)
             summary["sft_time_s"] = time.perf_counter() - t0
         evals = eval_records(cfg) if (evaluate_before or evaluate_after or t.eval_every) else []
         before_path = run_dir / "eval_before_rl.json"
@@ -422,6 +423,8 @@ def train(
             else:
                 summary["before"] = evaluate(cfg, rollout, params, evals, reward)
                 write_json(before_path, summary["before"])
+        if keep_init_params:  # the update donates the state's buffers: keep a copy
+            summary["init_params"] = jax.tree.map(jnp.copy, params)
         trainer = RLTrainer(
             cfg, model_cfg, params, rollout, reward, pad_id=tokenizer.pad_token_id or 0, mesh=mesh
         )

@@ -13,9 +13,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_tools import algorithms, models, policy
-from jaxrl_tools.train_state import create_train_state, make_optimizer, make_update
+from jaxrl_tools import algorithms, models, policy, sharding
+from jaxrl_tools.train_state import (
+    create_train_state,
+    make_optimizer,
+    make_update,
+    train_state_shardings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +61,20 @@ def pack_examples(
     return out
 
 
-def make_sft_update(model_cfg: models.ModelConfig, optimizer):
-    """The jitted SFT update: token-mean NLL over the loss mask, exact over micro-batches."""
+def make_sft_update(
+    model_cfg: models.ModelConfig,
+    optimizer,
+    *,
+    state_shardings=None,
+    micro_sharding=None,
+    mesh=None,
+    rules=None,
+):
+    """The jitted SFT update: token-mean NLL over the loss mask, exact over micro-batches.
+
+    With a mesh, the state keeps `state_shardings`, micro-batches come as `micro_sharding`, and
+    the update is traced inside `use_mesh` so activation constraints apply.
+    """
 
     def loss_fn(params, mb, denom):
         logp, _ = policy.token_logprobs(
@@ -68,7 +86,22 @@ def make_sft_update(model_cfg: models.ModelConfig, optimizer):
     def denoms(batch_M):
         return jnp.sum(batch_M["loss_mask"])
 
-    return jax.jit(make_update(loss_fn, optimizer, denoms_fn=denoms), donate_argnums=0)
+    update = make_update(loss_fn, optimizer, denoms_fn=denoms)
+    if mesh is None:
+        return jax.jit(update, donate_argnums=0)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    jitted = jax.jit(
+        update,
+        in_shardings=(state_shardings, micro_sharding),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=0,
+    )
+
+    def call(state, batch):
+        with sharding.use_mesh(mesh, rules):
+            return jitted(state, batch)
+
+    return call
 
 
 def train_sft(
@@ -85,12 +118,16 @@ def train_sft(
     micro_batch_size: int | None = None,
     seed: int = 0,
     on_step=None,
+    mesh=None,
+    rules=None,
 ) -> Any:
     """Trains `params` on segment traces for `epochs`; returns the new params.
 
     Args:
       traces: each a list of (text, trainable) segments.
       on_step: optional callback(step, metrics) (logging, progress).
+      mesh, rules: train sharded on this mesh (params by their logical axes, batches over
+        the "batch" axis); None: one device.
     """
     examples = [encode_segments(tokenizer, t, max_len) for t in traces]
     if not examples:
@@ -107,8 +144,26 @@ def train_sft(
     optimizer = make_optimizer(
         lr, total_steps=steps, warmup_steps=warmup_steps, schedule="cosine", min_lr_ratio=0.1
     )
-    update = make_sft_update(model_cfg, optimizer)
-    state = create_train_state(params, optimizer, seed)
+    if mesh is None:
+        update = make_sft_update(model_cfg, optimizer)
+        state = create_train_state(params, optimizer, seed)
+        place = jnp.asarray
+    else:
+        param_sh = sharding.tree_shardings(
+            models.logical_axes(model_cfg), mesh, rules, shapes=params
+        )
+        state = create_train_state(params, optimizer, seed, param_shardings=param_sh)
+        batch_axes = sharding.logical_to_spec(("batch",), rules)[0]
+        micro_sh = NamedSharding(mesh, PartitionSpec(None, batch_axes))
+        update = make_sft_update(
+            model_cfg,
+            optimizer,
+            state_shardings=train_state_shardings(state, param_sh, mesh),
+            micro_sharding=micro_sh,
+            mesh=mesh,
+            rules=rules,
+        )
+        place = lambda x: jax.device_put(x, micro_sh)
     rng = np.random.default_rng(seed)
     step = 0
     for _ in range(epochs):
@@ -116,7 +171,7 @@ def train_sft(
         for k in range(0, n, batch_size):
             idx = order[k : k + batch_size]
             mb = {
-                key: jnp.asarray(v[idx].reshape(batch_size // micro, micro, length))
+                key: place(v[idx].reshape(batch_size // micro, micro, length))
                 for key, v in data.items()
             }
             state, metrics = update(state, mb)

@@ -50,7 +50,7 @@ def _bucket(n: int, multiple: int) -> int:
 
 
 def pack_trajectories(
-    trajectories: Sequence[Any], *, pad_id: int, rows: int, length_multiple: int = 64
+    trajectories: Sequence[Any], *, pad_id: int, rows: int, length_multiple: int = 16
 ) -> dict[str, np.ndarray]:
     """Packs trajectories into right-padded [rows, T] arrays aligned to tokens.
 
@@ -192,6 +192,9 @@ class RLTrainer:
             params, self.optimizer, cfg.trainer.seed, param_shardings=self._param_sh
         )
         self.pcfg = policy_loss_config(cfg)
+        # One optimizer step per rollout batch and no KL folded into the rewards: the old
+        # log-probs need no separate forward (see actor_loss).
+        self.single_update = o.ppo_epochs == 1 and o.num_mini_batches == 1 and not a.kl_in_reward
         self.acfg = advantage_config(cfg)
         self.temperature = max(cfg.rollout.temperature, 1e-6)
         self.critic_state = None
@@ -282,7 +285,7 @@ class RLTrainer:
         nll_coef = self.cfg.algorithm.nll_coef
         remat = self.cfg.model.remat
 
-        def logprobs(params, b):
+        def logprobs(params, b, entropy_grad=False):
             return policy.token_logprobs(
                 mcfg,
                 params,
@@ -292,14 +295,18 @@ class RLTrainer:
                 b["loss_mask"],
                 temperature=T,
                 remat=remat,
+                entropy_grad=entropy_grad,
             )
 
         def actor_loss(params, mb, denom):
-            logp, ent = logprobs(params, mb)
+            logp, ent = logprobs(params, mb, entropy_grad=pcfg.entropy_coef > 0)
+            # One update per rollout batch: the policy is still the behaviour one, and its own
+            # log-probs (no gradient) are the old ones; this saves a forward pass.
+            old_logp = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)
             terms = algorithms.policy_loss(
                 pcfg,
                 logp,
-                mb["old_logp"],
+                old_logp,
                 mb["advantages"],
                 mb["loss_mask"],
                 ref_logp_BT=mb.get("ref_logp"),
@@ -473,7 +480,8 @@ class RLTrainer:
         batch["correct"] = (scores_kept > 0).astype(np.float32)
         batch = {k: self._place(v) for k, v in batch.items()}
         seqs = {k: batch[k] for k in ("tokens", "positions", "attention", "loss_mask")}
-        batch["old_logp"], _ = self._logprobs(self.state.params, seqs)
+        if not self.single_update:
+            batch["old_logp"], _ = self._logprobs(self.state.params, seqs)
         if self.ref_params is not None:
             batch["ref_logp"], _ = self._logprobs(self.ref_params, seqs)
         adv_inputs = {"loss_mask_BT": batch["loss_mask"], "scores_B": self._place(scores_kept)}
@@ -521,10 +529,9 @@ class RLTrainer:
             "positions",
             "attention",
             "loss_mask",
-            "old_logp",
             "advantages",
             "correct",
-        ] + (["ref_logp"] if "ref_logp" in batch else [])
+        ] + [key for key in ("old_logp", "ref_logp") if key in batch]
         critic_keys = ["tokens", "positions", "attention", "loss_mask", "old_values", "returns"]
         sums: dict[str, float] = {}
         count = 0

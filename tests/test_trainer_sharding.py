@@ -3,8 +3,8 @@
 XLA_FLAGS must be set before jax starts, and the rest of the suite runs on one device, so the
 8-device side runs in a subprocess: this file executed as a script (`python
 tests/test_trainer_sharding.py OUT_DIR` with --xla_force_host_platform_device_count=8) runs the
-same fixed trajectories through RLTrainer without a mesh and on meshes 2x2x2 and 1x4x2, and
-writes a JSON report that the tests below read.
+same fixed trajectories through RLTrainer (and SFT on fixed traces) without a mesh and on
+meshes 2x2x2 and 1x4x2, and writes a JSON report that the tests below read.
 
 The model (4 heads, 2 kv heads, hidden 32, mlp 64, vocab 64) divides both meshes under
 DEFAULT_RULES: batch over (data, fsdp) = 4 devices, embed over fsdp, heads/mlp/vocab over tensor.
@@ -58,6 +58,14 @@ def test_sharded_steps_match_single_device(report, run, mesh):
     assert r["metrics_max_rel_diff"] <= 1e-3, r
     if run == "ppo":
         assert r["critic_max_abs_diff"] <= 2e-5, r
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_sharded_sft_matches_single_device(report, mesh):
+    r = report["sft"][mesh]
+    assert r["params_max_update"] > 1e-3
+    assert r["params_max_abs_diff"] <= 2e-5, r
+    assert r["q_proj"] == str((None, "fsdp", "tensor", None))
 
 
 @pytest.mark.parametrize(("run", "mesh"), CASES)
@@ -115,6 +123,23 @@ def _fixed_trajectories(seed=0):
     return out
 
 
+def _tiny_model():
+    from jaxrl_tools import models
+
+    return models.ModelConfig(
+        model_type="qwen2",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+        attention_bias=True,
+    )
+
+
 def _run(name: str, mesh):
     import jax
     import numpy as np
@@ -137,18 +162,7 @@ def _run(name: str, mesh):
     for k, v in extra.items():
         raw[k] = {**raw.get(k, {}), **v}
     cfg = config_from_dict(raw)
-    model_cfg = models.ModelConfig(
-        model_type="qwen2",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=True,
-        attention_bias=True,
-    )
+    model_cfg = _tiny_model()
     params = models.init_params(model_cfg, jax.random.key(0), mesh=mesh)
     init = jax.tree.map(np.asarray, params)
     trajs = _fixed_trajectories()
@@ -159,6 +173,43 @@ def _run(name: str, mesh):
     records = [{"prompt": "q", "ground_truth": "7"}] * 2
     metrics = [trainer.step(records) for _ in range(STEPS)]
     return trainer, init, metrics
+
+
+def _sft_init():
+    import jax
+
+    from jaxrl_tools import models
+
+    return models.init_params(_tiny_model(), jax.random.key(0))
+
+
+class _CharTokenizer:
+    pad_token_id = 0
+
+    def encode(self, text, add_special_tokens=False):
+        return [3 + ord(c) % (VOCAB - 3) for c in text]
+
+
+def _sft(mesh):
+    import jax
+
+    from jaxrl_tools import models
+    from jaxrl_tools.sft import train_sft
+
+    params = models.init_params(_tiny_model(), jax.random.key(0), mesh=mesh)
+    traces = [[[f"what is {i} * 7? ", False], [f"{i * 7}.", True]] for i in range(16)]
+    return train_sft(
+        _tiny_model(),
+        params,
+        _CharTokenizer(),
+        traces,
+        epochs=2,
+        lr=1e-3,
+        batch_size=8,
+        max_len=32,
+        micro_batch_size=4,
+        mesh=mesh,
+    )
 
 
 def _main(out_dir: str) -> None:
@@ -212,6 +263,19 @@ def _main(out_dir: str) -> None:
                 r["specs"]["critic_head"] = spec(c["value_head"]["kernel"])
                 r["specs"]["critic_bias"] = spec(c["value_head"]["bias"])
             report[name][shape] = r
+    sft_ref, sft_init = _sft(None), jax.tree.map(np.asarray, _sft_init())
+    report["sft"] = {}
+    for shape in MESHES:
+        sharded = _sft(make_mesh(shape))
+        report["sft"][shape] = {
+            "params_max_update": max(
+                float(np.abs(a - b).max()) for a, b in zip(flat(sft_ref), flat(sft_init))
+            ),
+            "params_max_abs_diff": max(
+                float(np.abs(a - b).max()) for a, b in zip(flat(sft_ref), flat(sharded))
+            ),
+            "q_proj": spec(sharded["layers"]["attn"]["q_proj"]["kernel"]),
+        }
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
 

@@ -92,6 +92,23 @@ def setup_tools(cfg: RunConfig) -> list:
     return out
 
 
+def make_executor(cfg: RunConfig, tools: list):
+    """The ToolExecutor over `tools` (None when there are none: plain generation)."""
+    from jaxrl_tools.tools import ToolExecutor
+
+    if not tools:
+        return None
+    return ToolExecutor(
+        tools, max_concurrency=cfg.rollout.tool_concurrency, timeout_s=cfg.rollout.tool_timeout_s
+    )
+
+
+def make_reward(cfg: RunConfig):
+    from jaxrl_tools.rewards import CompositeReward
+
+    return CompositeReward([(r.name, r.weight, r.kwargs) for r in cfg.reward])
+
+
 def task_records(cfg: RunConfig, split: str) -> list[dict]:
     """Records of the generated task (the held-out eval set is drawn from another seed)."""
     d = cfg.data
@@ -224,8 +241,8 @@ def make_engine(cfg: RunConfig, model_cfg, params, tokenizer, mesh=None):
 
 def evaluate(cfg: RunConfig, rollout: Rollout, params, records: Sequence[dict], reward) -> dict:
     """Greedy (or `rollout.eval_temperature`) accuracy and tool statistics on `records`."""
-    from jaxrl_tools.rewards import TrajectoryInfo, is_correct
-    from jaxrl_tools.trainer import rollout_metrics
+    from jaxrl_tools.rewards import is_correct
+    from jaxrl_tools.trainer import rollout_metrics, score_trajectories
 
     g = cfg.rollout.eval_group_size
     trajs = []
@@ -239,19 +256,7 @@ def evaluate(cfg: RunConfig, rollout: Rollout, params, records: Sequence[dict], 
             seed=cfg.trainer.seed + i,
         )
     gts = [records[i // g].get("ground_truth") for i in range(len(trajs))]
-
-    infos = [
-        TrajectoryInfo(
-            tool_calls=t.tool_calls,
-            num_calls=t.num_tool_calls,
-            num_turns=t.num_turns,
-            response_length=len(t.response_ids),
-        )
-        for t in trajs
-    ]
-    scores, parts = reward.batch(
-        [t.response_text for t in trajs], gts, infos, group_ids=[i // g for i in range(len(trajs))]
-    )
+    scores, parts = score_trajectories(reward, records, trajs, g)
     metrics = rollout_metrics(trajs, scores, parts)
     metrics["num_problems"] = len(records)
     # Accuracy by the answer alone, whatever the reward (OTC's reward also weighs tool calls).
@@ -307,6 +312,7 @@ def sft_traces(cfg: RunConfig, tokenizer) -> list:
         problems,
         tokenizer,
         mix=cfg.sft.tool_mix,
+        easy_mix=cfg.sft.easy_tool_mix,
         protocol=cfg.rollout.protocol,
         seed=cfg.data.shuffle_seed,
         system_prompt=cfg.data.system_prompt,
@@ -379,8 +385,6 @@ def train(
     """
     from jaxrl_tools.checkpoint import Checkpointer
     from jaxrl_tools.metrics import MetricsLogger
-    from jaxrl_tools.rewards import CompositeReward
-    from jaxrl_tools.tools import ToolExecutor
     from jaxrl_tools.trainer import RLTrainer
 
     sharding.initialize_distributed()
@@ -389,21 +393,13 @@ def train(
     mesh = make_mesh(cfg)
     tokenizer = setup_tokenizer(cfg)
     model_cfg, params = setup_model(cfg, tokenizer, mesh)
-    reward = CompositeReward([(r.name, r.weight, r.kwargs) for r in cfg.reward])
+    reward = make_reward(cfg)
     ckpt = Checkpointer(
         t.checkpoint_dir, every=t.checkpoint_every or t.steps or 1, keep=t.keep_checkpoints
     )
     resuming = t.resume and ckpt.latest_step() is not None
     tools = setup_tools(cfg)
-    executor = (
-        ToolExecutor(
-            tools,
-            max_concurrency=cfg.rollout.tool_concurrency,
-            timeout_s=cfg.rollout.tool_timeout_s,
-        )
-        if tools
-        else None
-    )
+    executor = make_executor(cfg, tools)
     engine = make_engine(cfg, model_cfg, params, tokenizer, mesh)
     rollout = Rollout(cfg, engine, tokenizer, executor)
     logger = MetricsLogger(run_dir, total_steps=t.steps, desc=t.run_name)
@@ -477,13 +473,12 @@ def _close_tool(tool) -> None:
 def restore_policy(cfg: RunConfig, step: int | None = None):
     """(model_cfg, params, tokenizer, step) of a run's checkpoint."""
     from jaxrl_tools.checkpoint import Checkpointer
-    from jaxrl_tools.rewards import CompositeReward
     from jaxrl_tools.trainer import RLTrainer
 
     mesh = make_mesh(cfg)
     tokenizer = setup_tokenizer(cfg)
     model_cfg, params = setup_model(cfg, tokenizer, mesh)
-    reward = CompositeReward([(r.name, r.weight, r.kwargs) for r in cfg.reward])
+    reward = make_reward(cfg)
     trainer = RLTrainer(cfg, model_cfg, params, None, reward, pad_id=0, mesh=mesh)
     ckpt = Checkpointer(cfg.trainer.checkpoint_dir)
     try:
@@ -504,8 +499,6 @@ def export(cfg: RunConfig, out: str, step: int | None = None) -> Path:
 
 def evaluate_policy(cfg: RunConfig, *, from_checkpoint: bool, step: int | None = None) -> dict:
     """Held-out evaluation of `model.path` or of a run's checkpoint."""
-    from jaxrl_tools.rewards import CompositeReward
-    from jaxrl_tools.tools import ToolExecutor
 
     if from_checkpoint:
         model_cfg, params, tokenizer, _ = restore_policy(cfg, step)
@@ -514,17 +507,9 @@ def evaluate_policy(cfg: RunConfig, *, from_checkpoint: bool, step: int | None =
         model_cfg, params = setup_model(cfg, tokenizer, make_mesh(cfg))
     tools = setup_tools(cfg)
     try:
-        executor = (
-            ToolExecutor(
-                tools,
-                max_concurrency=cfg.rollout.tool_concurrency,
-                timeout_s=cfg.rollout.tool_timeout_s,
-            )
-            if tools
-            else None
-        )
+        executor = make_executor(cfg, tools)
         rollout = Rollout(cfg, make_engine(cfg, model_cfg, params, tokenizer), tokenizer, executor)
-        reward = CompositeReward([(r.name, r.weight, r.kwargs) for r in cfg.reward])
+        reward = make_reward(cfg)
         return evaluate(cfg, rollout, params, eval_records(cfg), reward)
     finally:
         for tool in tools:
@@ -558,7 +543,7 @@ def _report_row(name: str, m: dict) -> str:
 
 def demo_report(summary: dict, baseline: dict | None = None) -> str:
     """The demo's report: the SFT policy vs the RL policy (and a baseline RL run) on held-out
-    problems, greedy."""
+    problems."""
     b, a = summary["before"], summary["after"]
     acc_b, acc_a = b["reward/accuracy"] * 100, a["reward/accuracy"] * 100
     tool_b, tool_a = b["tools/used_frac"] * 100, a["tools/used_frac"] * 100
@@ -566,7 +551,7 @@ def demo_report(summary: dict, baseline: dict | None = None) -> str:
     lines = [
         f"# jaxrl-tools demo: {summary['run_name']}",
         "",
-        f"Held-out problems: {a['num_problems']} (greedy decoding, sandboxed Python tool).",
+        f"Held-out problems: {a['num_problems']} ({summary['eval_desc']}, sandboxed Python tool).",
         "",
         "| policy | accuracy | responses calling the tool | tool calls / response | "
         "tool error rate | by difficulty (accuracy / tool use) |",
@@ -619,6 +604,12 @@ def demo(cfg: RunConfig, *, baseline_reward: str | None = None) -> dict:
         cfg, evaluate_before=True, evaluate_after=True, keep_init_params=baseline_reward is not None
     )
     summary["reward_name"] = _reward_name(cfg)
+    r = cfg.rollout
+    summary["eval_desc"] = (
+        "greedy decoding"
+        if r.eval_temperature == 0
+        else f"sampling at temperature {r.eval_temperature:g}, {r.eval_group_size} per problem"
+    )
     out = Path(cfg.trainer.log_dir)
     baseline = None
     if baseline_reward is not None:

@@ -418,21 +418,7 @@ class RLTrainer:
         self, records: Sequence[dict], trajectories: Sequence[Any]
     ) -> tuple[np.ndarray, dict]:
         """Rewards of trajectories (G consecutive ones per record) and their components."""
-        G = self.group_size
-        infos = [
-            TrajectoryInfo(
-                tool_calls=t.tool_calls,
-                num_calls=t.num_tool_calls,
-                num_turns=t.num_turns,
-                response_length=len(t.response_ids),
-            )
-            for t in trajectories
-        ]
-        gts = [records[i // G].get("ground_truth") for i in range(len(trajectories))]
-        group_ids = [i // G for i in range(len(trajectories))]
-        return self.reward.batch(
-            [t.response_text for t in trajectories], gts, infos, group_ids=group_ids
-        )
+        return score_trajectories(self.reward, records, trajectories, self.group_size)
 
     def _filter(self, scores: np.ndarray) -> np.ndarray:
         """Indices of the groups to keep, by the configured filters."""
@@ -574,6 +560,24 @@ class RLTrainer:
             self.critic_state = state["critic"]
         if self.ref_params is not None:
             self.ref_params = state["ref"]
+
+
+def score_trajectories(
+    reward: CompositeReward, records: Sequence[dict], trajectories: Sequence[Any], group_size: int
+) -> tuple[np.ndarray, dict]:
+    """(rewards_N, {term: values_N}) of trajectories, `group_size` consecutive ones per record."""
+    infos = [
+        TrajectoryInfo(
+            tool_calls=t.tool_calls,
+            num_calls=t.num_tool_calls,
+            num_turns=t.num_turns,
+            response_length=len(t.response_ids),
+        )
+        for t in trajectories
+    ]
+    group_ids = [i // group_size for i in range(len(trajectories))]
+    gts = [records[g].get("ground_truth") for g in group_ids]
+    return reward.batch([t.response_text for t in trajectories], gts, infos, group_ids=group_ids)
 
 
 def rollout_metrics(trajectories: Sequence[Any], scores: np.ndarray, parts: dict) -> dict:

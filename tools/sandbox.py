@@ -249,10 +249,12 @@ def build_command(config: SandboxConfig, worker_cfg: dict, script_fd: int,
             bw += ["--ro-bind", str(host), f"/{top}"]
     if Path("/etc/ld.so.cache").exists():
         bw += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    # The private /tmp first: an interpreter or venv that lives under /tmp is bound on top of it.
+    bw += ["--proc", "/proc", "--dev", "/dev", "--size", str(config.tmpfs_mb * 2**20),
+           "--tmpfs", "/tmp"]
     for src, dst in binds:
         bw += ["--ro-bind", src, dst]
-    bw += ["--proc", "/proc", "--dev", "/dev", "--size", str(config.tmpfs_mb * 2**20),
-           "--tmpfs", "/tmp", "--chdir", "/tmp"]
+    bw += ["--chdir", "/tmp"]
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
            "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "NUMEXPR_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}

@@ -25,6 +25,23 @@ def _load(args):
     return load_config(path, args.overrides)
 
 
+def _dispatch(args, cfg, run) -> None:
+    if args.command == "demo":
+        run.demo(cfg, baseline_reward=args.baseline_reward)
+    elif args.command == "train":
+        summary = run.train(cfg)
+        print({k: v for k, v in summary["final_metrics"].items() if not k.startswith("time")})
+    elif args.command == "sft":
+        print(f"SFT model written to {run.sft_only(cfg, args.out)}")
+    elif args.command == "eval":
+        metrics = run.evaluate_policy(cfg, from_checkpoint=args.checkpoint, step=args.step)
+        for key, value in sorted(metrics.items()):
+            if not key.startswith("_"):
+                print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
+    elif args.command == "export":
+        print(f"exported to {run.export(cfg, args.out, args.step)}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="jaxrl-tools",
@@ -70,24 +87,12 @@ def main(argv=None) -> int:
     from jaxrl_tools.config import ConfigError
 
     try:
-        cfg = _load(args)
+        _dispatch(args, _load(args), run)
     except (ConfigError, FileNotFoundError) as e:
+        # A bad config, a run folder that does not fit it, or a recipe, data file or checkpoint
+        # that is not there: the message names it; no traceback.
         print(f"jaxrl-tools: {e}", file=sys.stderr)
         return 2
-    if args.command == "demo":
-        run.demo(cfg, baseline_reward=args.baseline_reward)
-    elif args.command == "train":
-        summary = run.train(cfg)
-        print({k: v for k, v in summary["final_metrics"].items() if not k.startswith("time")})
-    elif args.command == "sft":
-        print(f"SFT model written to {run.sft_only(cfg, args.out)}")
-    elif args.command == "eval":
-        metrics = run.evaluate_policy(cfg, from_checkpoint=args.checkpoint, step=args.step)
-        for key, value in sorted(metrics.items()):
-            if not key.startswith("_"):
-                print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
-    elif args.command == "export":
-        print(f"exported to {run.export(cfg, args.out, args.step)}")
     return 0
 
 

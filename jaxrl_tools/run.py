@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxrl_tools import data as data_lib
 from jaxrl_tools import models, sharding, tasks
-from jaxrl_tools.config import RunConfig
+from jaxrl_tools.config import ConfigError, RunConfig
 from jaxrl_tools.tokenizer import build_tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -378,7 +378,8 @@ def train(
       cfg: the run config.
       evaluate_before, evaluate_after: evaluate on the held-out records before / after RL.
       init_params: start RL from these params (e.g. another run's SFT policy): no SFT stage.
-      keep_init_params: keep a copy of the policy RL starts from in `summary["init_params"]`.
+      keep_init_params: keep a copy of the policy RL starts from in `summary["init_params"]`
+        (not when resuming: that policy is gone).
 
     Returns:
       A summary: final metrics, and the held-out evaluations asked for ("before", "after").
@@ -397,7 +398,15 @@ def train(
     ckpt = Checkpointer(
         t.checkpoint_dir, every=t.checkpoint_every or t.steps or 1, keep=t.keep_checkpoints
     )
-    resuming = t.resume and ckpt.latest_step() is not None
+    latest = ckpt.latest_step()
+    if latest is not None and not t.resume:
+        ckpt.close()
+        raise ConfigError(
+            f"trainer.checkpoint_dir {ckpt.directory} already holds checkpoints of a run (latest "
+            f"step {latest}): continue it with --resume (trainer.resume=true), or give "
+            "trainer.checkpoint_dir a new folder"
+        )
+    resuming = latest is not None
     tools = setup_tools(cfg)
     executor = make_executor(cfg, tools)
     engine = make_engine(cfg, model_cfg, params, tokenizer, mesh)
@@ -419,7 +428,7 @@ def train(
             else:
                 summary["before"] = evaluate(cfg, rollout, params, evals, reward)
                 write_json(before_path, summary["before"])
-        if keep_init_params:  # the update donates the state's buffers: keep a copy
+        if keep_init_params and not resuming:  # the update donates the state's buffers
             summary["init_params"] = jax.tree.map(jnp.copy, params)
         trainer = RLTrainer(
             cfg, model_cfg, params, rollout, reward, pad_id=tokenizer.pad_token_id or 0, mesh=mesh
@@ -624,7 +633,11 @@ def demo(cfg: RunConfig, *, baseline_reward: str | None = None) -> dict:
                 checkpoint_dir=str(Path(t.checkpoint_dir) / "baseline"),
             ),
         )
-        baseline = train(base_cfg, evaluate_after=True, init_params=summary.pop("init_params"))
+        # A resumed run has no copy of its SFT policy; SFT is deterministic, so the baseline
+        # then redoes it (or resumes its own checkpoint).
+        baseline = train(
+            base_cfg, evaluate_after=True, init_params=summary.pop("init_params", None)
+        )
         baseline["reward_name"] = baseline_reward
     summary["wall_time_s"] = time.perf_counter() - t0
     report = demo_report(summary, baseline)

@@ -11,19 +11,44 @@ from jaxrl_tools.cli import main
 def run_config(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
     cfg = {
-        "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-                           "max_position_embeddings": 256}},
+        "model": {
+            "tiny": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 8,
+                "max_position_embeddings": 256,
+            }
+        },
         "tokenizer": {"path": str(d / "tok"), "vocab_size": 300},
-        "data": {"task": "tool_arithmetic", "task_train_size": 64, "task_eval_size": 8,
-                 "task_difficulty": 1, "batch_size": 2, "eval_batch_size": 8},
-        "rollout": {"protocol": "retool", "group_size": 4, "max_prompt_len": 96,
-                    "max_response_len": 16, "chunk_size": 8, "slots": 8},
+        "data": {
+            "task": "tool_arithmetic",
+            "task_train_size": 64,
+            "task_eval_size": 8,
+            "task_difficulty": 1,
+            "batch_size": 2,
+            "eval_batch_size": 8,
+        },
+        "rollout": {
+            "protocol": "retool",
+            "group_size": 4,
+            "max_prompt_len": 96,
+            "max_response_len": 16,
+            "chunk_size": 8,
+            "slots": 8,
+        },
         "algorithm": {"kl_coef": 0.0},
         "reward": [{"name": "math", "kwargs": {"correct": 1.0, "wrong": 0.0}}],
         "optim": {"lr": 1e-3, "micro_batch_size": 8},
-        "trainer": {"steps": 2, "checkpoint_dir": str(d / "ckpt"), "checkpoint_every": 1,
-                    "log_dir": str(d / "logs"), "resume": False},
+        "trainer": {
+            "steps": 2,
+            "checkpoint_dir": str(d / "ckpt"),
+            "checkpoint_every": 1,
+            "log_dir": str(d / "logs"),
+            "resume": False,
+        },
         "sft": {"enabled": True, "epochs": 1, "num_traces": 16, "batch_size": 8, "lr": 1e-3},
     }
     path = d / "tiny.yaml"
@@ -68,6 +93,9 @@ def test_export_loads_in_transformers(run_config):
 
 def test_config_errors_name_the_key(run_config, capsys):
     _, path = run_config
+    # The checkpoints of the finished run are not silently mixed with a new one.
+    assert main(["train", "--config", str(path)]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
     assert main(["train", "--config", str(path), "optim.lrr=1e-3"]) == 2
     err = capsys.readouterr().err
     assert "optim.lrr" in err and "did you mean 'lr'" in err

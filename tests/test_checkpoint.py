@@ -4,25 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fakes import tiny_model_config
 
 from jaxrl_tools import models
 from jaxrl_tools.checkpoint import Checkpointer
 from jaxrl_tools.train_state import apply_update, create_train_state, make_optimizer
 
-
-def tiny(intermediate_size: int = 64) -> models.ModelConfig:
-    return models.ModelConfig(
-        model_type="qwen2",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=True,
-        attention_bias=True,
-    )
+tiny = tiny_model_config
 
 
 def trained_state(config: models.ModelConfig, seed: int = 0):

@@ -6,34 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fakes import VOCAB, fixed_trajectories, tiny_model_config
 
 from jaxrl_tools import models
 from jaxrl_tools.config import config_from_dict
 from jaxrl_tools.rewards import CompositeReward
 from jaxrl_tools.trainer import RLTrainer, pack_trajectories
 
-VOCAB = 64
-
-
-@dataclasses.dataclass
-class FakeTrajectory:
-    prompt_ids: list
-    response_ids: list
-    loss_mask: list
-    logprobs: list
-    response_text: str
-    tool_calls: tuple = ()
-    num_tool_calls: int = 0
-    num_turns: int = 1
-    finish_reason: str = "eos"
-
-
-def tiny_config() -> models.ModelConfig:
-    return models.ModelConfig(
-        model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        tie_word_embeddings=True, attention_bias=True,
-    )
+tiny_config = tiny_model_config
 
 
 def run_config(**algorithm):
@@ -46,22 +26,6 @@ def run_config(**algorithm):
         "optim": {"lr": 1e-2, "micro_batch_size": 4, "grad_clip": None, "weight_decay": 0.0},
         "trainer": {"steps": 10},
     })
-
-
-def fixed_trajectories(seed=0):
-    """Two groups of four; in each, responses 0 and 1 are 'correct' (text with the answer)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for g in range(2):
-        prompt = list(rng.integers(3, VOCAB, size=5 + g))
-        for j in range(4):
-            n = 6 + j
-            resp = list(rng.integers(3, VOCAB, size=n))
-            mask = [1] * n
-            mask[2] = mask[3] = 0  # an observation inside the response
-            text = "\\boxed{7}" if j < 2 else "\\boxed{8}"
-            out.append(FakeTrajectory(prompt, resp, mask, [0.0] * n, text))
-    return out
 
 
 def make_trainer(cfg, trajectories, seed=0):

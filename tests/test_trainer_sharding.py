@@ -10,15 +10,14 @@ The model (4 heads, 2 kv heads, hidden 32, mlp 64, vocab 64) divides both meshes
 DEFAULT_RULES: batch over (data, fsdp) = 4 devices, embed over fsdp, heads/mlp/vocab over tensor.
 """
 
-import dataclasses
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from fakes import VOCAB, fixed_trajectories, tiny_model_config
 
-VOCAB = 64
 MESHES = ("2x2x2", "1x4x2")
 # (name, algorithm section, extra config): GRPO with a reference policy (KL in the loss), and
 # PPO with GAE and a critic, two mini-batches per step.
@@ -92,54 +91,6 @@ def test_state_is_placed_by_the_logical_axes(report, run, mesh):
 # the 8-device side (runs in the subprocess)
 
 
-@dataclasses.dataclass
-class FakeTrajectory:
-    prompt_ids: list
-    response_ids: list
-    loss_mask: list
-    logprobs: list
-    response_text: str
-    tool_calls: tuple = ()
-    num_tool_calls: int = 0
-    num_turns: int = 1
-    finish_reason: str = "eos"
-
-
-def _fixed_trajectories(seed=0):
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for g in range(2):
-        prompt = list(rng.integers(3, VOCAB, size=5 + g))
-        for j in range(4):
-            n = 6 + j
-            resp = list(rng.integers(3, VOCAB, size=n))
-            mask = [1] * n
-            mask[2] = mask[3] = 0  # an observation inside the response
-            out.append(
-                FakeTrajectory(prompt, resp, mask, [-1.0] * n, "\\boxed{7}" if j < 2 else "x")
-            )
-    return out
-
-
-def _tiny_model():
-    from jaxrl_tools import models
-
-    return models.ModelConfig(
-        model_type="qwen2",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=True,
-        attention_bias=True,
-    )
-
-
 def _run(name: str, mesh):
     import jax
     import numpy as np
@@ -162,10 +113,10 @@ def _run(name: str, mesh):
     for k, v in extra.items():
         raw[k] = {**raw.get(k, {}), **v}
     cfg = config_from_dict(raw)
-    model_cfg = _tiny_model()
+    model_cfg = tiny_model_config()
     params = models.init_params(model_cfg, jax.random.key(0), mesh=mesh)
     init = jax.tree.map(np.asarray, params)
-    trajs = _fixed_trajectories()
+    trajs = fixed_trajectories()
     reward = CompositeReward([(s.name, s.weight, s.kwargs) for s in cfg.reward])
     trainer = RLTrainer(
         cfg, model_cfg, params, lambda recs, G, p: trajs, reward, pad_id=0, mesh=mesh
@@ -180,7 +131,7 @@ def _sft_init():
 
     from jaxrl_tools import models
 
-    return models.init_params(_tiny_model(), jax.random.key(0))
+    return models.init_params(tiny_model_config(), jax.random.key(0))
 
 
 class _CharTokenizer:
@@ -196,10 +147,10 @@ def _sft(mesh):
     from jaxrl_tools import models
     from jaxrl_tools.sft import train_sft
 
-    params = models.init_params(_tiny_model(), jax.random.key(0), mesh=mesh)
+    params = models.init_params(tiny_model_config(), jax.random.key(0), mesh=mesh)
     traces = [[[f"what is {i} * 7? ", False], [f"{i * 7}.", True]] for i in range(16)]
     return train_sft(
-        _tiny_model(),
+        tiny_model_config(),
         params,
         _CharTokenizer(),
         traces,

@@ -1,0 +1,61 @@
+"""Shared test fixtures that are plain functions: a tiny model and fixed trajectories.
+
+Importable both by pytest (tests/ is on sys.path) and by test files run as scripts in a
+subprocess (for 8 simulated devices).
+"""
+
+import dataclasses
+
+import numpy as np
+
+VOCAB = 64
+
+
+@dataclasses.dataclass
+class FakeTrajectory:
+    """What the trainer reads of a rollout's Trajectory."""
+
+    prompt_ids: list
+    response_ids: list
+    loss_mask: list
+    logprobs: list
+    response_text: str
+    tool_calls: tuple = ()
+    num_tool_calls: int = 0
+    num_turns: int = 1
+    finish_reason: str = "eos"
+
+
+def tiny_model_config(intermediate_size: int = 64):
+    """Qwen2, 2 layers, hidden 32, 4 heads / 2 kv heads, tied: divides the 2x2x2 and 1x4x2
+    meshes under DEFAULT_RULES."""
+    from jaxrl_tools import models
+
+    return models.ModelConfig(
+        model_type="qwen2",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+        attention_bias=True,
+    )
+
+
+def fixed_trajectories(seed: int = 0) -> list[FakeTrajectory]:
+    """Two groups of four; in each, responses 0 and 1 are 'correct' (text with the answer 7)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(2):
+        prompt = list(rng.integers(3, VOCAB, size=5 + g))
+        for j in range(4):
+            n = 6 + j
+            resp = list(rng.integers(3, VOCAB, size=n))
+            mask = [1] * n
+            mask[2] = mask[3] = 0  # an observation inside the response
+            text = "\\boxed{7}" if j < 2 else "\\boxed{8}"
+            out.append(FakeTrajectory(prompt, resp, mask, [0.0] * n, text))
+    return out

@@ -73,10 +73,10 @@ def token_logprobs(
     return pad(logp), pad(ent)
 
 
-def init_value_head(model_cfg: models.ModelConfig, params, rng: jax.Array) -> dict:
-    """A critic: a copy of the policy trunk and a zero-initialised scalar head."""
+def init_value_head(model_cfg: models.ModelConfig, params) -> dict:
+    """A critic: a copy of the policy trunk and a zero-initialised scalar head (every value
+    starts at 0, so nothing random is needed)."""
     dtype = params["embed"]["embedding"].dtype
-    del rng  # a zero head starts every value at 0, as verl's critic warm-up assumes nothing
     return {
         "trunk": jax.tree.map(jnp.array, params),
         "value_head": {

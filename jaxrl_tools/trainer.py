@@ -199,7 +199,7 @@ class RLTrainer:
         self.temperature = max(cfg.rollout.temperature, 1e-6)
         self.critic_state = None
         if a.uses_critic:
-            critic = policy.init_value_head(model_cfg, params, jax.random.key(cfg.trainer.seed))
+            critic = policy.init_value_head(model_cfg, params)
             self.critic_optimizer = make_optimizer(
                 cfg.critic.lr,
                 total_steps=updates_total,

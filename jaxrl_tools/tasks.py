@@ -24,7 +24,7 @@ MAX_DIFFICULTY = 3
 
 # Difficulty -> (digits of the first operand, digits of the second, operators).
 _LEVELS = {
-    0: ((1, 1), (1, 1), "+-*"),  # single digits: answered directly
+    0: ((1, 1), (1, 1), "+"),  # single-digit sums: answered directly
     1: ((2, 2), (1, 2), "+-*"),
     2: ((3, 4), (2, 3), "+*"),
     3: ((4, 5), (3, 4), "*"),
@@ -115,6 +115,12 @@ def _observation(protocol: str, result: str) -> str:
     return f"\n<interpreter>\n{result}\n</interpreter>\n"
 
 
+def printed(answer: str) -> str:
+    """What the sandboxed tool returns for `print(answer)`: stdout, with its newline (SFT traces
+    must show the policy the observation that rollouts will insert)."""
+    return f"{answer}\n"
+
+
 def _final(answer: str) -> str:
     return f"The answer is \\boxed{{{answer}}}."
 
@@ -153,7 +159,7 @@ def trace_messages(problem: Problem, use_tool: bool, protocol: str = "qwen") -> 
                 "content": "Let me compute it with Python.",
                 "tool_calls": [call],
             },
-            {"role": "tool", "name": "python", "content": problem.answer},
+            {"role": "tool", "name": "python", "content": printed(problem.answer)},
             {"role": "assistant", "content": _final(problem.answer)},
         ]
     model_a, obs, model_b = _inline_parts(problem, protocol, code)
@@ -166,7 +172,7 @@ def _inline_parts(problem: Problem, protocol: str, code: str) -> tuple[str, str,
         model_a = f"Let me compute it with Python.\n```python\n{code}\n```\n```output"
     else:
         model_a = f"Let me compute it with Python.\n<code>{code}</code>"
-    return model_a, _observation(protocol, problem.answer), _final(problem.answer)
+    return model_a, _observation(protocol, printed(problem.answer)), _final(problem.answer)
 
 
 def _segments(tokenizer, messages, tools, problem, use_tool, protocol, system_prompt):
@@ -281,6 +287,7 @@ __all__ = [
     "make_problems",
     "sft_traces",
     "trace_messages",
+    "printed",
     "write_jsonl",
     "problem_from_dict",
     "PROTOCOLS",

@@ -9,6 +9,7 @@ from jaxrl_tools import rewards
 from jaxrl_tools.tasks import (
     PROTOCOLS,
     make_problems,
+    printed,
     problem_from_dict,
     sft_traces,
     trace_messages,
@@ -76,7 +77,7 @@ def test_qwen_trace_structure(tok):
     assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant"]
     call = msgs[1]["tool_calls"][0]["function"]
     assert call["name"] == "python" and call["arguments"]["code"].startswith("print(")
-    assert msgs[2]["content"] == p.answer
+    assert msgs[2]["content"] == printed(p.answer)
     text = sft_traces([p], tok, mix=1.0, protocol="qwen")[0]["text"]
     assert '<tool_call>\n{"name": "python"' in text and "<tool_response>\n" + p.answer in text
 
@@ -110,12 +111,24 @@ def test_write_jsonl(tmp_path):
     assert problem_from_dict(dataclasses.asdict(ps[0])) == ps[0]
 
 
+@pytest.fixture(scope="module")
+def python_tool():
+    from jaxrl_tools.tools import PythonTool, SandboxConfig, SandboxPool
+
+    pool = SandboxPool(1, SandboxConfig(timeout_s=5.0))
+    yield PythonTool(pool=pool, tool_schema=None)
+    pool.close()
+
+
 @pytest.mark.parametrize("protocol", ["torl", "retool", "qwen"])
-def test_traces_parse_with_rollout_parsers(tok, protocol):
+def test_traces_match_what_rollouts_do(tok, python_tool, protocol):
     """The model segments of a trace parse into the python call the rollout would execute, and
-    the observation is what the rollout's parser inserts."""
-    tools = pytest.importorskip("jaxrl_tools.tools")
-    parser = tools.get_parser(protocol)
+    the trace's observation is what the rollout inserts after running it in the sandbox."""
+    import asyncio
+
+    from jaxrl_tools.tools import get_parser
+
+    parser = get_parser(protocol)
     p = make_problems(1, 2, 3)[0]
     t = sft_traces([p], tok, mix=1.0, protocol=protocol)[0]
     first_model = next(s for s, train in t["segments"] if train)
@@ -124,6 +137,10 @@ def test_traces_parse_with_rollout_parsers(tok, protocol):
     assert result.error is None and len(result.calls) == 1
     code = result.calls[0].arguments["code"].strip()
     assert code == f"print({p.expression.replace(' ', '')})"
-    if protocol != "qwen":
+    out = asyncio.run(python_tool.call({"code": code}))
+    assert out.ok and out.text == printed(p.answer)
+    if protocol == "qwen":
+        assert t["messages"][2]["content"] == out.text
+    else:
         obs = next(s for s, train in t["segments"][1:] if not train)
-        assert obs == parser.format_observation([p.answer])
+        assert obs == parser.format_observation([out.text])

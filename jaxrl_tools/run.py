@@ -550,6 +550,12 @@ def _report_row(name: str, m: dict) -> str:
     )
 
 
+def _productivity(m: dict) -> str:
+    """OTC's tool productivity: correct answers per tool call."""
+    calls = m["tools/calls_per_response"]
+    return f"{m['reward/accuracy'] / calls:.2f}" if calls else "n/a (no calls)"
+
+
 def demo_report(summary: dict, baseline: dict | None = None) -> str:
     """The demo's report: the SFT policy vs the RL policy (and a baseline RL run) on held-out
     problems."""
@@ -577,11 +583,13 @@ def demo_report(summary: dict, baseline: dict | None = None) -> str:
     ]
     if baseline is not None:
         base = baseline["after"]
+        calls, base_calls = a["tools/calls_per_response"], base["tools/calls_per_response"]
+        change = f" ({(calls / base_calls - 1) * 100:+.0f}%)" if base_calls else ""
         lines.append(
             f"Against RL with {baseline['reward_name']} from the same SFT policy: accuracy "
             f"{(a['reward/accuracy'] - base['reward/accuracy']) * 100:+.1f} points, tool calls "
-            f"per response {a['tools/calls_per_response']:.2f} vs "
-            f"{base['tools/calls_per_response']:.2f}."
+            f"per response {calls:.2f} vs {base_calls:.2f}{change}, tool productivity (correct "
+            f"answers per tool call) {_productivity(a)} vs {_productivity(base)}."
         )
     lines += ["", "Examples after RL:"]
     for ex in a.get("_examples", []):

@@ -101,3 +101,24 @@ def test_config_errors_name_the_key(run_config, capsys):
     assert "optim.lrr" in err and "did you mean 'lr'" in err
     assert main(["train", "--config", "no_such_recipe"]) == 2
     assert "grpo_tool_math" in capsys.readouterr().err
+
+
+def test_demo_compares_with_a_baseline_reward(run_config, capsys):
+    """`demo --baseline-reward`: SFT once, RL with OTC and with plain `math` from the same SFT
+    policy, one report with the three policies and OTC's tool-efficiency figures."""
+    d, path = run_config
+    out = d / "otc"
+    overrides = [
+        "reward.0.name=otc_grpo",
+        "reward.0.kwargs={}",
+        f"trainer.log_dir={out / 'logs'}",
+        f"trainer.checkpoint_dir={out / 'ckpt'}",
+    ]
+    assert main(["demo", "--config", str(path), "--baseline-reward", "math", *overrides]) == 0
+    report = (out / "logs" / "report.md").read_text()
+    assert report in capsys.readouterr().out
+    rows = [line.split(" |")[0] for line in report.splitlines() if line.startswith("| SFT")]
+    assert rows == ["| SFT (before RL)", "| SFT + RL (math)", "| SFT + RL (otc_grpo)"]
+    assert "Against RL with math from the same SFT policy" in report
+    assert "tool productivity (correct answers per tool call)" in report
+    assert (out / "ckpt" / "baseline" / "2").is_dir() and (out / "ckpt" / "2").is_dir()

@@ -127,9 +127,10 @@ def _prefill_kernel(params, tokens_T, true_length, existing, cache_len, *, confi
         start = existing.length
     pos_1T = (start + jnp.arange(T, dtype=jnp.int32))[None]
     valid_1T = (jnp.arange(T) < true_length)[None]
-    logits_1TV, cache = _fwd(config, params, tokens_T[None], pos_1T, cache, valid_BT=valid_1T)
-    last = jnp.maximum(true_length - 1, 0)
-    return cache, start + true_length, logits_1TV[0, last]
+    last_1 = jnp.maximum(true_length - 1, 0)[None]
+    logits_1V, cache = _fwd(config, params, tokens_T[None], pos_1T, cache, valid_BT=valid_1T,
+                            logits_at_B=last_1)
+    return cache, start + true_length, logits_1V[0]
 
 
 @functools.partial(jax.jit, donate_argnums=(1,))
@@ -163,12 +164,12 @@ def _write_kernel(params, state: DecodeState, rows_M, tokens_MK, starts_M, n_M, 
     sub = _take_rows(state.cache, rows_M, batch_axis)
     pos_MK = starts_M[:, None] + jnp.arange(K, dtype=jnp.int32)[None]
     valid_MK = jnp.arange(K)[None] < n_M[:, None]
-    logits_MKV, sub = _fwd(config, params, tokens_MK, pos_MK, sub, valid_BT=valid_MK)
-    last_MV = jnp.take_along_axis(logits_MKV, jnp.maximum(n_M - 1, 0)[:, None, None], axis=1)
+    last_MV, sub = _fwd(config, params, tokens_MK, pos_MK, sub, valid_BT=valid_MK,
+                        logits_at_B=jnp.maximum(n_M - 1, 0))
     st = state.replace(
         cache=_put_rows(state.cache, sub, rows_M, batch_axis),
         lengths=state.lengths.at[rows_M].set(starts_M + n_M, mode="drop"),
-        logits=state.logits.at[rows_M].set(last_MV[:, 0], mode="drop"),
+        logits=state.logits.at[rows_M].set(last_MV, mode="drop"),
         sampled=state.sampled.at[rows_M].set(sampled_M, mode="drop"),
     )
     if reset is not None:

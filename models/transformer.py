@@ -438,6 +438,7 @@ def forward_cached(
     cache: KVCache,
     *,
     valid_BT=None,
+    logits_at_B=None,
 ) -> tuple[jax.Array, KVCache]:
     """Runs a chunk of tokens per row against the KV cache and writes their K/V into it.
 
@@ -453,9 +454,12 @@ def forward_cached(
       positions_BT: int absolute positions [B, T].
       cache: the KVCache (donate it when jitting).
       valid_BT: [B, T] 1 for tokens to write, 0 for filler (default all ones).
+      logits_at_B: when given, only the logits of chunk index logits_at_B[b] of each row are
+        computed (a prefill needs its last token's; the unembedding of the others is most of a
+        prefill's work with a large vocabulary).
 
     Returns:
-      (logits_BTV float32, the updated cache).
+      (logits float32, the updated cache): logits_BTV, or logits_BV with `logits_at_B`.
     """
     B, T = tokens_BT.shape
     S = cache.k.shape[2]
@@ -467,4 +471,7 @@ def forward_cached(
     h, (k, v) = _apply(
         config, params, tokens_BT, positions_BT, mask_BTS, (cache.k, cache.v), write_pos
     )
+    if logits_at_B is not None:
+        h_B1D = jnp.take_along_axis(h, logits_at_B[:, None, None].astype(jnp.int32), axis=1)
+        return _logits(config, params, h_B1D)[:, 0], KVCache(k=k, v=v)
     return _logits(config, params, h), KVCache(k=k, v=v)

@@ -455,8 +455,8 @@ def forward_cached(
       cache: the KVCache (donate it when jitting).
       valid_BT: [B, T] 1 for tokens to write, 0 for filler (default all ones).
       logits_at_B: when given, only the logits of chunk index logits_at_B[b] of each row are
-        computed (a prefill needs its last token's; the unembedding of the others is most of a
-        prefill's work with a large vocabulary).
+        computed (a prefill needs only its last token's; with a large vocabulary the others'
+        unembedding is much of the prefill's arithmetic).
 
     Returns:
       (logits float32, the updated cache): logits_BTV, or logits_BV with `logits_at_B`.

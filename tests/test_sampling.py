@@ -5,7 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_tools.sampling import SamplingParams, filter_logits, sample_tokens, split_keys
+from jaxrl_tools.sampling import (
+    SamplingParams,
+    draw_categorical,
+    filter_logits,
+    sample_tokens,
+    split_keys,
+)
 
 V = 8
 
@@ -119,3 +125,17 @@ def test_sampling_params_validation():
         SamplingParams(top_k=-1)
     assert SamplingParams(temperature=0.0).greedy
     assert SamplingParams(top_k=5).needs_filter
+
+
+def test_draw_categorical_skips_zero_probability_tokens():
+    """The CDF inversion never lands on a token of probability 0, wherever it sits (first, in
+    the middle, last), and a one-hot row always gives its token."""
+    n = 4000
+    p = np.array([0.0, 0.3, 0.0, 0.5, 0.2, 0.0, 0.0, 0.0], np.float32)
+    logp = jnp.broadcast_to(jnp.log(jnp.asarray(p)), (n, V))
+    tokens = np.asarray(jax.jit(draw_categorical)(_keys(n), logp))
+    assert set(tokens.tolist()) == {1, 3, 4}
+    freq = np.bincount(tokens, minlength=V) / n
+    np.testing.assert_allclose(freq, p, atol=0.03)
+    one_hot = jnp.broadcast_to(jnp.log(jnp.eye(V)[7]), (n, V))
+    assert (np.asarray(draw_categorical(_keys(n, 1), one_hot)) == 7).all()

@@ -1,6 +1,7 @@
 """Advantage estimators vs plain NumPy transcriptions of METHODS.md, plus properties and errors."""
 
 import dataclasses
+import zlib
 
 import chex
 import jax
@@ -20,7 +21,9 @@ from jaxrl_tools.algorithms import (
     register_advantage_estimator,
 )
 
-RTOL, ATOL = 1e-5, 1e-5
+# float32 against a float64 oracle. Normalising by the std of groups as small as 2 amplifies
+# rounding: over 300 random batches GiGPO's step-level advantages differ by up to 2e-5.
+RTOL, ATOL = 5e-5, 5e-5
 ALL = ["drgrpo", "gae", "gigpo", "grpo", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo",
        "vapo"]
 
@@ -220,7 +223,7 @@ class AdvantageOracleTest(chex.TestCase):
         if name.endswith("nowhiten"):
             cfg = dataclasses.replace(cfg, whiten=False)
         name = name.split("_no")[0]
-        d = make_data(hash((name, G)) % 1000, num_groups=3, G=G)
+        d = make_data(zlib.crc32(f"{name}{G}".encode()) % 1000, num_groups=3, G=G)
         fn = get_advantage_estimator(name)
         adv, ret = self.variant(lambda x: fn(x, cfg))(to_inputs(d))
         B, T = d["loss_mask_BT"].shape

@@ -193,23 +193,13 @@ def test_cache_chunks_at_explicit_positions_rows_of_different_lengths(loaded):
     for b, n in enumerate(lens):
         assert not np.asarray(cache.k[:, b, n + 5 :]).any()
     # A prefill that asks only for each row's last logits gets those, and the same cache.
-    last_BV, cache_last = M.forward_cached(
-        config,
-        params,
-        jnp.asarray(prompt),
-        jnp.asarray(ppos),
-        M.init_cache(config, 3, 20),
-        valid_BT=jnp.asarray(valid),
-        logits_at_B=jnp.asarray(lens) - 1,
-    )
-    _, cache_full = M.forward_cached(
-        config,
-        params,
-        jnp.asarray(prompt),
-        jnp.asarray(ppos),
-        M.init_cache(config, 3, 20),
-        valid_BT=jnp.asarray(valid),
-    )
+    def prefill(**kwargs):
+        fresh = M.init_cache(config, 3, 20)
+        tokens, positions, valid_BT = jnp.asarray(prompt), jnp.asarray(ppos), jnp.asarray(valid)
+        return M.forward_cached(config, params, tokens, positions, fresh, valid_BT=valid_BT, **kwargs)
+
+    last_BV, cache_last = prefill(logits_at_B=jnp.asarray(lens) - 1)
+    _, cache_full = prefill()
     assert last_BV.shape == (3, config.vocab_size)
     for b, n in enumerate(lens):
         np.testing.assert_allclose(last_BV[b], out[b, n - 1], atol=1e-5)

@@ -5,10 +5,43 @@ subprocess (for 8 simulated devices).
 """
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 
 VOCAB = 64
+
+# The `model.tiny` section of the CLI and resume tests' run configs (hidden 32, 2 layers).
+TINY_RUN_MODEL = {
+    "model_type": "qwen2",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 256,
+}
+
+
+def run_on_8_devices(script: str, out_dir: Path, timeout: int) -> dict:
+    """Runs `python script out_dir` on 8 simulated CPU devices; returns its out_dir/report.json."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, script, str(out_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out_dir / "report.json").read_text())
 
 
 @dataclasses.dataclass

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import yaml
+from fakes import TINY_RUN_MODEL
 
 from jaxrl_tools.cli import main
 
@@ -11,17 +12,7 @@ from jaxrl_tools.cli import main
 def run_config(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
     cfg = {
-        "model": {
-            "tiny": {
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "head_dim": 8,
-                "max_position_embeddings": 256,
-            }
-        },
+        "model": {"tiny": TINY_RUN_MODEL},
         "tokenizer": {"path": str(d / "tok"), "vocab_size": 300},
         "data": {
             "task": "tool_arithmetic",

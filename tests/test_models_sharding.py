@@ -13,10 +13,10 @@ not split over 8 tensor devices, so that mesh uses a rules variant with kv_heads
 import contextlib
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from fakes import run_on_8_devices
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_tools import models as M
@@ -76,15 +76,7 @@ def test_golden_param_shardings():
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharding")
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((out / "report.json").read_text())
+    return run_on_8_devices(__file__, tmp_path_factory.mktemp("sharding"), timeout=600)
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))

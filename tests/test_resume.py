@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fakes import TINY_RUN_MODEL
 
 STEPS = 8
 EVERY = 2
@@ -38,18 +39,7 @@ def text_reward(response: str, ground_truth=None, info=None) -> float:
 
 def _config(tmp: Path, name: str) -> dict:
     return {
-        "model": {
-            "tiny": {
-                "model_type": "qwen2",
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "head_dim": 8,
-                "max_position_embeddings": 256,
-            }
-        },
+        "model": {"tiny": TINY_RUN_MODEL},
         "tokenizer": {"path": str(tmp / "tokenizer"), "vocab_size": 300},
         "data": {
             "task": "tool_arithmetic",

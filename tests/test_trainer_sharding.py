@@ -12,11 +12,10 @@ DEFAULT_RULES: batch over (data, fsdp) = 4 devices, embed over fsdp, heads/mlp/v
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
-from fakes import VOCAB, fixed_trajectories, tiny_model_config
+from fakes import VOCAB, fixed_trajectories, run_on_8_devices, tiny_model_config
 
 MESHES = ("2x2x2", "1x4x2")
 # (name, algorithm section, extra config): GRPO with a reference policy (KL in the loss), and
@@ -36,15 +35,7 @@ CASES = [(run, mesh) for run, meshes in RUN_MESHES.items() for mesh in meshes]
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("trainer_sharding")
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((out / "report.json").read_text())
+    return run_on_8_devices(__file__, tmp_path_factory.mktemp("trainer_sharding"), timeout=900)
 
 
 @pytest.mark.parametrize(("run", "mesh"), CASES)

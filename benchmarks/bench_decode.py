@@ -24,9 +24,17 @@ def build_model(path):
     import transformers
 
     cfg = transformers.Qwen2Config(
-        vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
-        num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True,
-        max_position_embeddings=2048, eos_token_id=None, bos_token_id=None, pad_token_id=0,
+        vocab_size=8192,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
     )
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
@@ -48,8 +56,8 @@ def main():
     import torch
 
     from jaxrl_tools import models
-    from jaxrl_tools.engine import EngineCore
-    from jaxrl_tools.sampling import GREEDY, SamplingParams
+    from jaxrl_tools.rollout.engine import EngineCore
+    from jaxrl_tools.rollout.sampling import GREEDY, SamplingParams
 
     B, P, N = args.batch, args.prompt, args.new
     rng = np.random.default_rng(0)
@@ -58,28 +66,45 @@ def main():
         hf = build_model(d)
         config, params = models.from_pretrained(d)
     n_params = sum(p.numel() for p in hf.parameters())
-    print(f"model: {n_params / 1e6:.1f}M params, batch {B}, prompt {P}, new {N}, "
-          f"torch threads {torch.get_num_threads()}, jax {jax.devices()[0].platform}")
+    print(
+        f"model: {n_params / 1e6:.1f}M params, batch {B}, prompt {P}, new {N}, "
+        f"torch threads {torch.get_num_threads()}, jax {jax.devices()[0].platform}"
+    )
 
     sampling = SamplingParams(temperature=1.0) if args.sample else GREEDY
 
     def hf_run():
         ids = torch.tensor(prompts)
         with torch.no_grad():
-            return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N,
-                               min_new_tokens=N, do_sample=args.sample, top_k=0, top_p=1.0,
-                               temperature=1.0, pad_token_id=0)
+            return hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=N,
+                min_new_tokens=N,
+                do_sample=args.sample,
+                top_k=0,
+                top_p=1.0,
+                temperature=1.0,
+                pad_token_id=0,
+            )
 
     # JAX engine: load prompts into slots (one bucketed call), then N steps in chunks.
-    eng = EngineCore(config, params, slots=B, max_len=1 << (P + N - 1).bit_length(),
-                     max_prefill_length=max(16, 1 << (P - 1).bit_length()), sampling=sampling,
-                     eos_token_ids=[])
+    eng = EngineCore(
+        config,
+        params,
+        slots=B,
+        max_len=1 << (P + N - 1).bit_length(),
+        max_prefill_length=max(16, 1 << (P - 1).bit_length()),
+        sampling=sampling,
+        eos_token_ids=[],
+    )
     key = jax.random.PRNGKey(0)
 
     def jax_run():
         state = eng.init_decode_state()
-        state = eng.write_slots(params, state, list(range(B)), prompts, starts=[0] * B,
-                                reset=[(key, sampling)] * B)
+        state = eng.write_slots(
+            params, state, list(range(B)), prompts, starts=[0] * B, reset=[(key, sampling)] * B
+        )
         toks = []
         for _ in range(N // args.chunk):
             state, out = eng.generate_steps(params, state, args.chunk)
@@ -103,15 +128,18 @@ def main():
     paired = statistics.median(h / j for h, j in zip(hf_times, jax_times))
     mode = "sampling at temperature 1" if args.sample else "greedy"
     print(f"{mode}, load average {os.getloadavg()[0]:.2f}")
-    print(f"transformers generate: {hf_tps:8.1f} tokens/s  (median of {args.repeats}: "
-          f"{statistics.median(hf_times):.3f} s)")
-    print(f"jaxrl_tools engine   : {jax_tps:8.1f} tokens/s  (median of {args.repeats}: "
-          f"{statistics.median(jax_times):.3f} s, chunk {args.chunk})")
+    print(
+        f"transformers generate: {hf_tps:8.1f} tokens/s  (median of {args.repeats}: "
+        f"{statistics.median(hf_times):.3f} s)"
+    )
+    print(
+        f"jaxrl_tools engine   : {jax_tps:8.1f} tokens/s  (median of {args.repeats}: "
+        f"{statistics.median(jax_times):.3f} s, chunk {args.chunk})"
+    )
     if not args.sample:
         same = float((jax_out == hf_out[:, P:].numpy()).mean())
         print(f"greedy tokens equal to HF: {same:.1%}")
-    print(f"RESULT ratio engine/hf = {jax_tps / hf_tps:.2f}x (median of paired runs "
-          f"{paired:.2f}x)")
+    print(f"RESULT ratio engine/hf = {jax_tps / hf_tps:.2f}x (median of paired runs {paired:.2f}x)")
 
 
 if __name__ == "__main__":

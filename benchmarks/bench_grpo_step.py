@@ -9,7 +9,7 @@ The assets are built by the peers' own `ensure_assets()`, imported at run time f
 copy of the peer folder (`--peer-dir`, e.g. `cp -r shared/bench/peers /work/peerbench`), so every
 system sees byte-identical weights, tokenizer and prompts. This repo contains none of their code.
 
-Our step: `RLTrainer.step` with a rollout callable over `EngineCore` + `run_rollouts` (no tools,
+Our step: `run_rollouts` over `EngineCore`, `make_batch`, then `RLTrainer.step` (no tools,
 token-id prompts, no EOS so every sample has exactly 64 tokens). "generate" is the wall time of
 the rollout callable (prefill + decode + host loop), "rest" the remainder of the step (reward,
 packing, log-prob forward, advantages, forward/backward, AdamW). Steps after `--warmup` are
@@ -70,12 +70,11 @@ class OurGRPO:
     def __init__(self, asset_dir: str, prompts: list[str], *, chunk: int, micro: int, seed: int):
         import transformers
 
-        from jaxrl_tools import models, rewards
-        from jaxrl_tools.config import config_from_dict
-        from jaxrl_tools.engine import EngineCore
+        from jaxrl_tools import models, rewards, run
+        from jaxrl_tools.config_loader import config_from_dict
         from jaxrl_tools.rollout import RolloutLimits
-        from jaxrl_tools.sampling import SamplingParams
-        from jaxrl_tools.trainer import RLTrainer
+        from jaxrl_tools.rollout.engine import EngineCore
+        from jaxrl_tools.rollout.sampling import SamplingParams
 
         if REWARD_NAME not in rewards.registered_rewards():
             rewards.register_reward(REWARD_NAME)(_parity_reward)
@@ -87,28 +86,53 @@ class OurGRPO:
         self.model_cfg, params = models.from_pretrained(asset_dir)
         n_slots = P_PROMPTS * G
         self.engine = EngineCore(
-            self.model_cfg, params, slots=n_slots, max_len=PROMPT_TOKENS + NEW_TOKENS,
-            max_prefill_length=PROMPT_TOKENS, tokenizer=self.tok, eos_token_ids=(),
-            sampling=SamplingParams(temperature=1.0), seed=seed,
+            self.model_cfg,
+            params,
+            slots=n_slots,
+            max_len=PROMPT_TOKENS + NEW_TOKENS,
+            max_prefill_length=PROMPT_TOKENS,
+            tokenizer=self.tok,
+            eos_token_ids=(),
+            sampling=SamplingParams(temperature=1.0),
+            seed=seed,
         )
         self.limits = RolloutLimits(max_response_tokens=NEW_TOKENS, chunk_size=chunk)
         self.sampling = SamplingParams(temperature=1.0)
-        cfg = config_from_dict({
-            "model": {"path": asset_dir},
-            "data": {"batch_size": P_PROMPTS},
-            "rollout": {"group_size": G, "temperature": 1.0, "max_prompt_len": PROMPT_TOKENS,
-                        "max_response_len": NEW_TOKENS, "chunk_size": chunk, "slots": n_slots},
-            # TRL's loss_type="grpo": per-sequence token mean, clip 0.2, no dual clip, beta 0.
-            "algorithm": {"adv_estimator": "grpo", "kl_coef": 0.0, "dual_clip_c": None,
-                          "loss_agg_mode": "seq-mean-token-mean"},
-            "optim": {"lr": 1e-6, "schedule": "constant", "weight_decay": 0.0, "grad_clip": 1.0,
-                      "micro_batch_size": micro, "ppo_epochs": 1, "num_mini_batches": 1},
-            "reward": [{"name": REWARD_NAME, "weight": 1.0}],
-            "trainer": {"seed": seed, "steps": 1000},
-        })
-        reward = rewards.CompositeReward([(REWARD_NAME, 1.0, {})])
-        self.trainer = RLTrainer(cfg, self.model_cfg, params, self._rollout, reward,
-                                 pad_id=self.tok.pad_token_id)
+        cfg = config_from_dict(
+            {
+                "model": {"path": asset_dir},
+                "data": {"batch_size": P_PROMPTS},
+                "rollout": {
+                    "group_size": G,
+                    "temperature": 1.0,
+                    "max_prompt_len": PROMPT_TOKENS,
+                    "max_response_len": NEW_TOKENS,
+                    "chunk_size": chunk,
+                    "slots": n_slots,
+                },
+                # TRL's loss_type="grpo": per-sequence token mean, clip 0.2, no dual clip, beta 0.
+                "algorithm": {
+                    "adv_estimator": "grpo",
+                    "kl_coef": 0.0,
+                    "dual_clip_c": None,
+                    "loss_agg_mode": "seq-mean-token-mean",
+                },
+                "optim": {
+                    "lr": 1e-6,
+                    "schedule": "constant",
+                    "weight_decay": 0.0,
+                    "grad_clip": 1.0,
+                    "micro_batch_size": micro,
+                    "ppo_epochs": 1,
+                    "num_mini_batches": 1,
+                },
+                "reward": [{"name": REWARD_NAME, "weight": 1.0}],
+                "trainer": {"seed": seed, "steps": 1000},
+            }
+        )
+        self.cfg = cfg
+        self.reward = rewards.CompositeReward([(REWARD_NAME, 1.0, {})])
+        self.trainer = run.make_trainer(cfg, self.model_cfg, params)
         self.calls = 0
         self.last = {}
 
@@ -118,13 +142,23 @@ class OurGRPO:
         stats = {}
         t0 = time.perf_counter()
         trajs = run_rollouts(
-            self.engine, params, [r["prompt_ids"] for r in records], tokenizer=self.tok,
-            num_samples=group_size, limits=self.limits, sampling=self.sampling,
-            rng=self.calls, eos_token_ids=(), stats=stats,
+            self.engine,
+            params,
+            [r["prompt_ids"] for r in records],
+            tokenizer=self.tok,
+            num_samples=group_size,
+            limits=self.limits,
+            sampling=self.sampling,
+            rng=self.calls,
+            eos_token_ids=(),
+            stats=stats,
         )
         self.calls += 1
-        self.last = dict(generate_s=time.perf_counter() - t0, device_chunks_s=stats["generate_s"],
-                         chunks=stats["chunks"])
+        self.last = dict(
+            generate_s=time.perf_counter() - t0,
+            device_chunks_s=stats["generate_s"],
+            chunks=stats["chunks"],
+        )
         lens = {len(t.response_ids) for t in trajs}
         if lens != {NEW_TOKENS}:
             raise RuntimeError(f"responses must have exactly {NEW_TOKENS} tokens, got {lens}")
@@ -133,28 +167,48 @@ class OurGRPO:
     def step(self, i: int) -> dict:
         """One GRPO step on prompts [8i, 8i+8) (mod 256); returns its timings."""
         n = len(self.prompt_ids)
-        records = [{"prompt_ids": self.prompt_ids[(P_PROMPTS * i + j) % n]}
-                   for j in range(P_PROMPTS)]
+        records = [
+            {"prompt_ids": self.prompt_ids[(P_PROMPTS * i + j) % n]} for j in range(P_PROMPTS)
+        ]
+        from jaxrl_tools.train.batch import make_batch
+
         t0 = time.perf_counter()
-        m = self.trainer.step(records)
+        trajs = self._rollout(records, G, self.trainer.params)
+        batch = make_batch(
+            records, trajs, self.reward, self.cfg.algorithm.filters,
+            group_size=G, rows=self.trainer.rows, pad_id=self.tok.pad_token_id,
+        )  # fmt: skip
+        m = self.trainer.step(batch)
         step_s = time.perf_counter() - t0
         gen = self.last["generate_s"]
-        return dict(step_s=step_s, generate_s=gen, rest_s=step_s - gen,
-                    device_chunks_s=self.last["device_chunks_s"], update_s=m["time/update_s"],
-                    chunks=self.last["chunks"])
+        return dict(
+            step_s=step_s,
+            generate_s=gen,
+            rest_s=step_s - gen,
+            device_chunks_s=self.last["device_chunks_s"],
+            update_s=m["time/update_s"],
+            chunks=self.last["chunks"],
+        )
 
     def decode(self, batch: int, greedy: bool, repeats: int) -> list[float]:
         """tokens/s of `run_rollouts` over `batch` prompts x 64 tokens (after one warm-up)."""
         from jaxrl_tools.rollout import run_rollouts
-        from jaxrl_tools.sampling import GREEDY
+        from jaxrl_tools.rollout.sampling import GREEDY
 
         sp = GREEDY if greedy else self.sampling
         out = []
         for r in range(repeats + 1):
             t0 = time.perf_counter()
-            trajs = run_rollouts(self.engine, self.trainer.params, self.prompt_ids[:batch],
-                                 num_samples=1, limits=self.limits, sampling=sp, rng=r,
-                                 eos_token_ids=())
+            trajs = run_rollouts(
+                self.engine,
+                self.trainer.params,
+                self.prompt_ids[:batch],
+                num_samples=1,
+                limits=self.limits,
+                sampling=sp,
+                rng=r,
+                eos_token_ids=(),
+            )
             dt = time.perf_counter() - t0
             assert all(len(t.response_ids) == NEW_TOKENS for t in trajs)
             if r > 0:
@@ -170,8 +224,9 @@ def run_peer(cmd: list[str], peer_dir: str, result_file: str, timeout: int) -> d
         os.remove(path)
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, cwd=peer_dir, env=env, capture_output=True, text=True,
-                           timeout=timeout)
+        p = subprocess.run(
+            cmd, cwd=peer_dir, env=env, capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         print(f"  {os.path.basename(cmd[1])}: timed out after {timeout}s", flush=True)
         return None
@@ -181,8 +236,10 @@ def run_peer(cmd: list[str], peer_dir: str, result_file: str, timeout: int) -> d
         tail = (p.stdout + p.stderr).strip().splitlines()[-5:]
         print(f"  {' '.join(cmd)} FAILED (rc {p.returncode}):\n    " + "\n    ".join(tail))
         return None
-    print(f"  {lines[-1] if lines else os.path.basename(cmd[1])}  [{wall:.0f}s process wall]",
-          flush=True)
+    print(
+        f"  {lines[-1] if lines else os.path.basename(cmd[1])}  [{wall:.0f}s process wall]",
+        flush=True,
+    )
     with open(path) as f:
         return json.load(f)
 
@@ -202,8 +259,11 @@ def published_rows(peer_dir: str) -> list[tuple[str, float, float, float]]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--peer-dir", default="/work/peerbench",
-                    help="writable copy of shared/bench/peers (assets are built/read there)")
+    ap.add_argument(
+        "--peer-dir",
+        default="/work/peerbench",
+        help="writable copy of shared/bench/peers (assets are built/read there)",
+    )
     ap.add_argument("--steps", type=int, default=5, help="timed GRPO steps per round (ours)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds ours/peers")
@@ -223,20 +283,29 @@ def main():
     asset_dir, prompts = peer.ensure_assets()
     import jax
 
-    print(f"assets: {asset_dir} sha={peer.weights_sha256()} prompts={len(prompts)}; "
-          f"jax {jax.__version__} {jax.devices()[0].platform}; cpus {os.cpu_count()}; "
-          f"load {loadavg()}", flush=True)
+    print(
+        f"assets: {asset_dir} sha={peer.weights_sha256()} prompts={len(prompts)}; "
+        f"jax {jax.__version__} {jax.devices()[0].platform}; cpus {os.cpu_count()}; "
+        f"load {loadavg()}",
+        flush=True,
+    )
     ours = OurGRPO(asset_dir, prompts, chunk=args.chunk, micro=args.micro_batch, seed=args.seed)
-    print(f"ours: setup {time.perf_counter() - t_setup:.1f}s (chunk {args.chunk}, "
-          f"micro-batch {args.micro_batch})", flush=True)
+    print(
+        f"ours: setup {time.perf_counter() - t_setup:.1f}s (chunk {args.chunk}, "
+        f"micro-batch {args.micro_batch})",
+        flush=True,
+    )
 
     step_i = 0
     warm = []
     for _ in range(args.warmup):
         warm.append(ours.step(step_i))
         step_i += 1
-        print(f"  ours warm-up step {step_i}: {warm[-1]['step_s']:.2f}s "
-              f"(generate {warm[-1]['generate_s']:.2f}s)", flush=True)
+        print(
+            f"  ours warm-up step {step_i}: {warm[-1]['step_s']:.2f}s "
+            f"(generate {warm[-1]['generate_s']:.2f}s)",
+            flush=True,
+        )
 
     timed, trl_runs, hf_runs, dec = [], [], [], {"greedy": [], "sampling": []}
     loads = []
@@ -248,30 +317,57 @@ def main():
             r = ours.step(step_i)
             step_i += 1
             timed.append(r)
-            print(f"  ours step {step_i}: {r['step_s']:.3f}s = generate {r['generate_s']:.3f}s "
-                  f"(device chunks {r['device_chunks_s']:.3f}s) + rest {r['rest_s']:.3f}s "
-                  f"(update {r['update_s']:.3f}s)", flush=True)
+            print(
+                f"  ours step {step_i}: {r['step_s']:.3f}s = generate {r['generate_s']:.3f}s "
+                f"(device chunks {r['device_chunks_s']:.3f}s) + rest {r['rest_s']:.3f}s "
+                f"(update {r['update_s']:.3f}s)",
+                flush=True,
+            )
         if args.with_trl:
             if not os.path.exists(trl_py):
                 print(f"  TRL skipped: no {trl_py} (run the peers' setup.sh for venv-trl)")
             else:
                 loads.append(os.getloadavg()[0])
-                res = run_peer([trl_py, "trl_grpo.py", "--steps",
-                                str(args.trl_steps or args.steps), "--warmup", "1"],
-                               peer_dir, "trl_grpo.json", timeout=900)
+                res = run_peer(
+                    [
+                        trl_py,
+                        "trl_grpo.py",
+                        "--steps",
+                        str(args.trl_steps or args.steps),
+                        "--warmup",
+                        "1",
+                    ],
+                    peer_dir,
+                    "trl_grpo.json",
+                    timeout=900,
+                )
                 if res:
                     trl_runs.append(res)
         if not args.no_hf:
             loads.append(os.getloadavg()[0])
-            res = run_peer([sys.executable, "hf_generate.py", "--batches", "32", "--repeats",
-                            str(args.decode_repeats)], peer_dir, "hf_generate.json", timeout=600)
+            res = run_peer(
+                [
+                    sys.executable,
+                    "hf_generate.py",
+                    "--batches",
+                    "32",
+                    "--repeats",
+                    str(args.decode_repeats),
+                ],
+                peer_dir,
+                "hf_generate.json",
+                timeout=600,
+            )
             if res:
                 hf_runs.append(res)
             for mode in ("greedy", "sampling"):
                 tps = ours.decode(32, mode == "greedy", args.decode_repeats)
                 dec[mode] += tps
-                print(f"  ours decode {mode} b32: {med(tps):.0f} tok/s "
-                      f"({', '.join(f'{x:.0f}' for x in tps)})", flush=True)
+                print(
+                    f"  ours decode {mode} b32: {med(tps):.0f} tok/s "
+                    f"({', '.join(f'{x:.0f}' for x in tps)})",
+                    flush=True,
+                )
 
     # ------------------------------------------------------------------ table
     o_step = med([r["step_s"] for r in timed])
@@ -282,44 +378,80 @@ def main():
     if trl_runs:
         sw = [x for r in trl_runs for x in r["measured_step_s"]]
         g = [x for r in trl_runs for x in r["measured_generate_s"]]
-        rest = [a - b for r in trl_runs for a, b in zip(r["measured_step_s"],
-                                                        r["measured_generate_s"])]
+        rest = [
+            a - b for r in trl_runs for a, b in zip(r["measured_step_s"], r["measured_generate_s"])
+        ]
         v = trl_runs[0]["versions"]
-        rows.append((f"TRL {v.get('trl')} (torch {v.get('torch')})", med(sw), med(g), med(rest),
-                     f"n={len(sw)}, min step {min(sw):.2f}, measured now"))
+        rows.append(
+            (
+                f"TRL {v.get('trl')} (torch {v.get('torch')})",
+                med(sw),
+                med(g),
+                med(rest),
+                f"n={len(sw)}, min step {min(sw):.2f}, measured now",
+            )
+        )
     for name, s, g, rest in published_rows(peer_dir):
         rows.append((f"{name} [published]", s, g, rest, "README, quiet machine"))
     print()
-    print(f"GRPO step, {P_PROMPTS} prompts x G={G}, {PROMPT_TOKENS}+{NEW_TOKENS} tokens, fp32; "
-          f"medians; 'x ours' = system time / our time (>1: ours faster); "
-          f"load avg during run {', '.join(f'{x:.1f}' for x in loads)}")
-    print(f"{'system':38s} {'s/step':>7s} {'generate':>9s} {'rest':>7s} "
-          f"{'step x ours':>11s} {'gen x ours':>10s} {'rest x ours':>11s}  note")
+    print(
+        f"GRPO step, {P_PROMPTS} prompts x G={G}, {PROMPT_TOKENS}+{NEW_TOKENS} tokens, fp32; "
+        f"medians; 'x ours' = system time / our time (>1: ours faster); "
+        f"load avg during run {', '.join(f'{x:.1f}' for x in loads)}"
+    )
+    print(
+        f"{'system':38s} {'s/step':>7s} {'generate':>9s} {'rest':>7s} "
+        f"{'step x ours':>11s} {'gen x ours':>10s} {'rest x ours':>11s}  note"
+    )
     for name, s, g, rest, note in rows:
-        print(f"{name:38s} {s:7.3f} {g:9.3f} {rest:7.3f} {s / o_step:11.2f} {g / o_gen:10.2f} "
-              f"{rest / o_rest:11.2f}  {note}")
+        print(
+            f"{name:38s} {s:7.3f} {g:9.3f} {rest:7.3f} {s / o_step:11.2f} {g / o_gen:10.2f} "
+            f"{rest / o_rest:11.2f}  {note}"
+        )
     comp = [r["step_s"] for r in warm[:1]]
-    print(f"ours compile/first step: {comp[0] if comp else float('nan'):.2f}s "
-          "(warm-up steps: " + ", ".join(f"{r['step_s']:.2f}" for r in warm) + ")")
+    print(
+        f"ours compile/first step: {comp[0] if comp else float('nan'):.2f}s "
+        "(warm-up steps: " + ", ".join(f"{r['step_s']:.2f}" for r in warm) + ")"
+    )
     if trl_runs:
         print(f"TRL first step: {trl_runs[0]['all_step_wall_s'][0]:.2f}s")
 
     hf_tps = {}
     if hf_runs:
         print()
-        print("decode at batch 32, 32-token prompts, 64 new tokens (incl. prefill), tokens/s "
-              "(ratio = ours / HF)")
+        print(
+            "decode at batch 32, 32-token prompts, 64 new tokens (incl. prefill), tokens/s "
+            "(ratio = ours / HF)"
+        )
         for mode in ("greedy", "sampling"):
-            xs = [x for r in hf_runs for res in r["results"] if res["mode"] == mode
-                  and res["batch"] == 32 for x in res["tok_s_all"]]
+            xs = [
+                x
+                for r in hf_runs
+                for res in r["results"]
+                if res["mode"] == mode and res["batch"] == 32
+                for x in res["tok_s_all"]
+            ]
             hf_tps[mode] = med(xs)
-            print(f"  {mode:8s}  ours {med(dec[mode]):7.0f}   HF generate {hf_tps[mode]:7.0f}   "
-                  f"ratio {med(dec[mode]) / hf_tps[mode]:.2f}")
+            print(
+                f"  {mode:8s}  ours {med(dec[mode]):7.0f}   HF generate {hf_tps[mode]:7.0f}   "
+                f"ratio {med(dec[mode]) / hf_tps[mode]:.2f}"
+            )
         print(f"  ours GRPO rollout (32 seqs x 64): {32 * NEW_TOKENS / o_gen:.0f} tok/s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(ours_timed=timed, ours_warmup=warm, rows=rows, decode_ours=dec,
-                           decode_hf=hf_tps, loads=loads, args=vars(args)), f, indent=1)
+            json.dump(
+                dict(
+                    ours_timed=timed,
+                    ours_warmup=warm,
+                    rows=rows,
+                    decode_ours=dec,
+                    decode_hf=hf_tps,
+                    loads=loads,
+                    args=vars(args),
+                ),
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

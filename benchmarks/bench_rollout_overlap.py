@@ -30,18 +30,25 @@ def main():
     import jax.numpy as jnp
 
     from jaxrl_tools import models
-    from jaxrl_tools.engine import EngineCore
+    from jaxrl_tools.demo.tokenizer import build_tokenizer
     from jaxrl_tools.rollout import RolloutLimits, run_rollouts
-    from jaxrl_tools.sampling import GREEDY
-    from jaxrl_tools.tokenizer import build_tokenizer
+    from jaxrl_tools.rollout.engine import EngineCore
+    from jaxrl_tools.rollout.sampling import GREEDY
     from jaxrl_tools.tools import ToolExecutor, function_tool
 
     tmp = tempfile.mkdtemp()
     tok = build_tokenizer(f"{tmp}/tok", vocab_size=512)
     config = models.ModelConfig(
-        model_type="qwen2", vocab_size=len(tok), hidden_size=384, intermediate_size=1024,
-        num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2, head_dim=64,
-        tie_word_embeddings=True)
+        model_type="qwen2",
+        vocab_size=len(tok),
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+    )
     params = models.init_params(config, jax.random.PRNGKey(0))
     enc = lambda s: tok.encode(s, add_special_tokens=False)
 
@@ -61,8 +68,16 @@ def main():
         want = script_BK[jnp.arange(logits_BV.shape[0]), jnp.minimum(sampled_B, K - 1)]
         return jnp.where(jnp.arange(logits_BV.shape[-1])[None] == want[:, None], 0.0, -1e9)
 
-    eng = EngineCore(config, params, slots=args.slots, max_len=512, max_prefill_length=64,
-                     tokenizer=tok, logits_hook=hook, hook_data=script_BK)
+    eng = EngineCore(
+        config,
+        params,
+        slots=args.slots,
+        max_len=512,
+        max_prefill_length=64,
+        tokenizer=tok,
+        logits_hook=hook,
+        hook_data=script_BK,
+    )
     prompts = [enc(f"Question {i}: what is the answer?") for i in range(args.prompts)]
 
     def make_executor(sleep):
@@ -77,13 +92,21 @@ def main():
     def run(sleep):
         stats = {}
         t0 = time.perf_counter()
-        trajs = run_rollouts(eng, params, prompts, tokenizer=tok, protocol="qwen",
-                             executor=make_executor(sleep), sampling=GREEDY, stats=stats,
-                             limits=RolloutLimits(max_tool_calls=2, chunk_size=args.chunk,
-                                                  max_response_tokens=400))
+        trajs = run_rollouts(
+            eng,
+            params,
+            prompts,
+            tokenizer=tok,
+            protocol="qwen",
+            executor=make_executor(sleep),
+            sampling=GREEDY,
+            stats=stats,
+            limits=RolloutLimits(max_tool_calls=2, chunk_size=args.chunk, max_response_tokens=400),
+        )
         wall = time.perf_counter() - t0
         assert all(t.num_tool_calls == 2 and t.finish_reason == "eos" for t in trajs), [
-            (t.num_tool_calls, t.finish_reason) for t in trajs]
+            (t.num_tool_calls, t.finish_reason) for t in trajs
+        ]
         return wall, stats
 
     run(0.0)  # warm-up: compiles every bucket
@@ -94,14 +117,21 @@ def main():
     fast, fs = sorted(fasts, key=lambda x: x[0])[len(fasts) // 2]
     slow, ss = sorted(slows, key=lambda x: x[0])[len(slows) // 2]
     calls = 2 * args.prompts
-    print(f"{args.prompts} trajectories, {args.slots} slots, {calls} tool calls, chunk "
-          f"{args.chunk}")
-    print(f"instant tool : {fast:.2f} s wall ({fs['generate_s']:.2f} s in generate, "
-          f"{fs['chunks']} chunks)")
-    print(f"{args.sleep * 1000:.0f} ms tool  : {slow:.2f} s wall ({ss['generate_s']:.2f} s in "
-          f"generate, {ss['chunks']} chunks); serial tool time would be {calls * args.sleep:.1f} s")
-    print(f"runs (s): instant {[round(f, 2) for f, _ in fasts]}, "
-          f"sleep {[round(x, 2) for x, _ in slows]}")
+    print(
+        f"{args.prompts} trajectories, {args.slots} slots, {calls} tool calls, chunk {args.chunk}"
+    )
+    print(
+        f"instant tool : {fast:.2f} s wall ({fs['generate_s']:.2f} s in generate, "
+        f"{fs['chunks']} chunks)"
+    )
+    print(
+        f"{args.sleep * 1000:.0f} ms tool  : {slow:.2f} s wall ({ss['generate_s']:.2f} s in "
+        f"generate, {ss['chunks']} chunks); serial tool time would be {calls * args.sleep:.1f} s"
+    )
+    print(
+        f"runs (s): instant {[round(f, 2) for f, _ in fasts]}, "
+        f"sleep {[round(x, 2) for x, _ in slows]}"
+    )
     print(f"RESULT ratio sleep/instant = {slow / fast:.2f}x")
 
 

@@ -26,7 +26,7 @@ from jaxrl_tools.tools import SandboxConfig, SandboxPool
 SNIPPETS = {
     "print(1+1)": "print(1+1)",
     "numpy": "import numpy as np\na = np.arange(10000.0).reshape(100, 100)\n"
-             "print(float((a @ a.T).trace()))",
+    "print(float((a @ a.T).trace()))",
 }
 
 
@@ -45,8 +45,12 @@ def bench_pool(pool: SandboxPool, code: str, n: int) -> dict:
             over.append(r.latency_s - r.execution_time)
 
     asyncio.run(go())
-    return {"median_ms": pct(lat, 50), "p99_ms": pct(lat, 99),
-            "host_side_median_ms": pct(over, 50), "host_side_p99_ms": pct(over, 99)}
+    return {
+        "median_ms": pct(lat, 50),
+        "p99_ms": pct(lat, 99),
+        "host_side_median_ms": pct(over, 50),
+        "host_side_p99_ms": pct(over, 99),
+    }
 
 
 def bench_fresh(code: str, n: int) -> dict:
@@ -76,14 +80,19 @@ def main():
     args = ap.parse_args()
     t0 = time.monotonic()
     pool = SandboxPool(args.workers, SandboxConfig(timeout_s=10.0))
-    report = {"workers": args.workers, "cpus": os.cpu_count(),
-              "pool_start_s": time.monotonic() - t0}
+    report = {
+        "workers": args.workers,
+        "cpus": os.cpu_count(),
+        "pool_start_s": time.monotonic() - t0,
+    }
     try:
         for name, code in SNIPPETS.items():
             pool.run_sync(code)  # warm-up
-            report[name] = {"pool": bench_pool(pool, code, args.calls),
-                            "fresh_python_c": bench_fresh(code, args.fresh_calls),
-                            "throughput_per_s": bench_throughput(pool, code, args.calls)}
+            report[name] = {
+                "pool": bench_pool(pool, code, args.calls),
+                "fresh_python_c": bench_fresh(code, args.fresh_calls),
+                "throughput_per_s": bench_throughput(pool, code, args.calls),
+            }
         report["pool_metrics"] = pool.metrics()
     finally:
         pool.close()
@@ -91,10 +100,13 @@ def main():
     for name in SNIPPETS:
         r = report[name]
         pl, fr = r["pool"], r["fresh_python_c"]
-        print(f"{name:>11}: pool median {pl['median_ms']:.1f} ms (p99 {pl['p99_ms']:.1f}), of "
-              f"which host-side (IPC, threads) {pl['host_side_median_ms']:.1f} ms; fresh python "
-              f"-c median {fr['median_ms']:.1f} ms (p99 {fr['p99_ms']:.1f}); throughput "
-              f"{r['throughput_per_s']:.0f}/s on {args.workers} workers")
+        print(
+            f"{name:>11}: pool median {pl['median_ms']:.1f} ms (p99 {pl['p99_ms']:.1f}), of "
+            f"which host-side (IPC, threads) {pl['host_side_median_ms']:.1f} ms; fresh python "
+            f"-c median {fr['median_ms']:.1f} ms (p99 {fr['p99_ms']:.1f}); throughput "
+            f"{r['throughput_per_s']:.0f}/s on {args.workers} workers"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -1,3 +1,44 @@
-"""jaxrl-tools: agentic, tool-using reinforcement learning of LLMs in JAX/Flax."""
+"""jaxrl-tools: agentic, tool-using reinforcement learning of LLMs in JAX/Flax.
 
-__version__ = "0.1.0"
+The package is the pipeline; each subpackage is a stage:
+
+    config / config_loader   the typed run configuration and its YAML loader
+    data                     prompt records, grain pipelines, the prompt renderer
+    rollout                  decode engine, sampling, stop scan, agent loop, sampler
+    rewards                  rule-based rewards by registry, composed
+    algorithms               advantage estimators, losses, KL, log-probs, filters
+    train                    state, policy, batches, objectives, the RL trainer, SFT
+    eval, demo, run, cli     evaluation, the demo task, composition, the command line
+    check, smoke             pre-flight checks of a whole run; the `--smoke` version of a recipe
+
+`models`, `sharding` and `tools` are the decoders, the device mesh and the tools.
+"""
+
+from jaxrl_tools import rewards
+from jaxrl_tools.config import ConfigError, RunConfig
+from jaxrl_tools.config_loader import load_config
+from jaxrl_tools.eval import evaluate
+from jaxrl_tools.rollout import EngineCore, RolloutLimits, Sampler, SamplingParams, run_rollouts
+from jaxrl_tools.train.batch import make_batch
+from jaxrl_tools.train.rl import RLSetup, RLTrainer
+from jaxrl_tools.types import Batch, Span, ToolCallRecord, Trajectory
+
+__all__ = [
+    "Batch",
+    "ConfigError",
+    "EngineCore",
+    "RLSetup",
+    "RLTrainer",
+    "RolloutLimits",
+    "RunConfig",
+    "Sampler",
+    "SamplingParams",
+    "Span",
+    "ToolCallRecord",
+    "Trajectory",
+    "evaluate",
+    "load_config",
+    "make_batch",
+    "rewards",
+    "run_rollouts",
+]

@@ -1,39 +1,95 @@
-"""`jaxrl-tools`: demo, train, sft, eval, export.
+"""`jaxrl-tools`: demo, train, check, sft, eval, export.
 
 Every subcommand takes `--config` (a YAML file or a shipped recipe name) and dotted overrides
-(`trainer.steps=10 optim.lr=1e-6`).
+(`trainer.steps=10 optim.lr=1e-6`, `--trainer.steps 10`). A mistake in the config, the data,
+the model folder or the machine's set-up is one line, `jaxrl-tools: <what and how to fix it>`,
+and exit status 2.
 """
 
 import argparse
 import logging
+import re
 import sys
 from pathlib import Path
 
+from jaxrl_tools import check, configs, run, smoke
+from jaxrl_tools.config import ConfigError
+from jaxrl_tools.config_loader import load_config
+from jaxrl_tools.data import DataError
+from jaxrl_tools.tools import SandboxUnavailableError
+from jaxrl_tools.train.signals import RunInterrupted
+
 DEMO_CONFIG = "grpo_tool_math"
+# Options that take a value (kept with it when the dotted overrides are picked out of argv).
+_VALUE_OPTIONS = ("--config", "--out", "--step", "--baseline-reward")
+_DOTTED_OPTION = re.compile(r"^--[A-Za-z_][\w\[\]]*[.\[][\w.\[\]]*(=.*)?$", re.DOTALL)
+_ASSIGNMENT = re.compile(r"^[A-Za-z_][\w.\[\]]*=", re.DOTALL)
+# A user's mistake: printed as one line, no traceback.
+USER_ERRORS = (ConfigError, DataError, SandboxUnavailableError, FileNotFoundError)
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv for argparse, the dotted overrides in their order).
+
+    `section.key=value`, `--section.key=value` and `--section.key value` may come anywhere
+    after the subcommand; argparse would take `--section.key` for an unknown option.
+    """
+    rest, overrides = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in _VALUE_OPTIONS:
+            rest += argv[i : i + 2]
+            i += 2
+        elif _DOTTED_OPTION.match(arg):
+            take = 1 if "=" in arg else 2
+            overrides += argv[i : i + take]
+            i += take
+        elif _ASSIGNMENT.match(arg):
+            overrides.append(arg)
+            i += 1
+        else:
+            rest.append(arg)
+            i += 1
+    return rest, overrides
 
 
 def _load(args):
-    from jaxrl_tools import configs
-    from jaxrl_tools.config import load_config
-
     if getattr(args, "resume", False):
         args.overrides = [*args.overrides, "trainer.resume=true"]
     source = args.config or DEMO_CONFIG
     path = Path(source)
     if not path.is_file():
         path = configs.path(source)
-    return load_config(path, args.overrides)
+    cfg = load_config(path, args.overrides)
+    return smoke.smoke_config(cfg) if getattr(args, "smoke", False) else cfg
 
 
-def _dispatch(args, cfg, run) -> None:
-    if args.command == "demo":
+def _dispatch(args, cfg) -> None:
+    if getattr(args, "smoke", False):  # runs/smoke/<run_name> is scratch: start it afresh
+        smoke.clear_outputs(cfg)
+    if args.command == "check":
+        summary = check.preflight(cfg)
+        what = f"{args.config or DEMO_CONFIG}" + (" (--smoke)" if args.smoke else "")
+        print(f"jaxrl-tools check: {what} is ready to run (nothing was trained)")
+        print(check.format_summary(summary))
+    elif args.command == "demo":
         run.demo(cfg, baseline_reward=args.baseline_reward)
     elif args.command == "train":
         summary = run.train(cfg)
         print({k: v for k, v in summary["final_metrics"].items() if not k.startswith("time")})
     elif args.command == "sft":
+        check.check_new_output(args.out)
+        check.preflight_sft(cfg)
         print(f"SFT model written to {run.sft_only(cfg, args.out)}")
     elif args.command == "eval":
+        if not args.checkpoint and cfg.model.path is None:
+            raise ConfigError(
+                "eval without --checkpoint evaluates model.path, and model.path is null (a "
+                "random tiny model): add --checkpoint to evaluate the run's checkpoint, or set "
+                "model.path"
+            )
+        check.preflight_eval(cfg)
         metrics = run.evaluate_policy(cfg, from_checkpoint=args.checkpoint, step=args.step)
         for key, value in sorted(metrics.items()):
             if not key.startswith("_"):
@@ -56,7 +112,12 @@ def main(argv=None) -> int:
         p.add_argument("overrides", nargs="*", help="section.key=value overrides")
         return p
 
+    smoke_help = (
+        "the same recipe with a tiny random model, 2 RL steps and small batches, in "
+        f"{smoke.SMOKE_ROOT}/<run_name> (a CPU minute): does the recipe run?"
+    )
     p = command("demo", "train a tiny policy to use the sandboxed Python tool (CPU, minutes)")
+    p.add_argument("--smoke", action="store_true", help=smoke_help)
     p.add_argument(
         "--baseline-reward",
         help="also run RL from the same SFT policy with only this reward, and compare "
@@ -68,6 +129,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="continue from the newest checkpoint (same as trainer.resume=true)",
     )
+    p.add_argument("--smoke", action="store_true", help=smoke_help)
+    p = command(
+        "check",
+        "check the whole run without training (model and tokenizer folders, data, prompt "
+        "lengths, tools, mesh, batch split, output folders) and print what it would do",
+    )
+    p.add_argument("--smoke", action="store_true", help="check the --smoke version of the run")
     p = command("sft", "the SFT stage alone; writes a Hugging Face folder")
     p.add_argument("--out", required=True)
     p = command("eval", "accuracy / pass@k and tool statistics on the eval data")
@@ -76,23 +144,25 @@ def main(argv=None) -> int:
     p = command("export", "write a checkpoint's policy as a Hugging Face folder")
     p.add_argument("--out", required=True)
     p.add_argument("--step", type=int)
-    args = parser.parse_args(argv)
+    rest, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(rest)
+    args.overrides = [*overrides, *args.overrides]
     # orbax logs every checkpoint step at INFO through absl: keep the console for the run.
     logging.getLogger("absl").setLevel(logging.WARNING)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(  # force: importing orbax already gave absl's default handler
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
-
-    from jaxrl_tools import run
-    from jaxrl_tools.config import ConfigError
-
     try:
-        _dispatch(args, _load(args), run)
-    except (ConfigError, FileNotFoundError) as e:
-        # A bad config, a run folder that does not fit it, or a recipe, data file or checkpoint
-        # that is not there: the message names it; no traceback.
-        print(f"jaxrl-tools: {e}", file=sys.stderr)
+        _dispatch(args, _load(args))
+    except USER_ERRORS as e:
+        # A bad config, data file or line, model or tokenizer folder, a machine without the
+        # sandbox or the devices, a run folder that does not fit: the message names it and the
+        # fix, on one line; no traceback.
+        print(f"jaxrl-tools: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except RunInterrupted as e:  # Ctrl-C / SIGTERM: the step finished and was saved
+        print(f"jaxrl-tools: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 

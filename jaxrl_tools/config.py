@@ -1,55 +1,33 @@
-"""Typed, frozen run configuration, parsed from YAML (draccus) with dotted command-line overrides.
+"""Typed, frozen run configuration: one frozen dataclass per section, each validating itself.
 
-    cfg = load_config("configs/grpo_tool_math.yaml", ["trainer.steps=10", "--optim.lr", "2e-6"])
-
-Every section is a frozen dataclass that validates itself in `__post_init__`; errors are
-`ConfigError` (a ValueError) and name the offending field (`algorithm.dual_clip_c must be > 1`).
-Unknown keys (in YAML or overrides) are errors that list the valid keys of that section.
-Derived values are properties (`cfg.use_reference_model`, `cfg.algorithm.uses_critic`).
+Every choice is checked against the live registry that owns it (parsers, advantage estimators,
+KL types, loss aggregations, rewards, tools, model types and dtypes, schedules), so a typo fails
+here, naming the field, and never after the model loaded. Errors are `ConfigError` (a
+ValueError) and name the offending field (`algorithm.dual_clip_c must be > 1`). Loading YAML and
+overrides is `config_loader`; derived values are properties (`cfg.algorithm.uses_critic`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import io
-import os
+import inspect
 import re
-import types
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import draccus
-import yaml
+from jaxrl_tools import algorithms, models, rewards, tools
+from jaxrl_tools.train.state import SCHEDULES
 
-# Names other parts of the library register; kept here so that a typo fails at load time.
-PROTOCOLS = ("qwen", "hermes", "torl", "retool", "search_r1", "ragen", "none")
-ADV_ESTIMATORS = (
-    "grpo",
-    "drgrpo",
-    "rloo",
-    "reinforce_pp",
-    "reinforce_pp_baseline",
-    "remax",
-    "gae",
-    "vapo",
-    "gigpo",
-)
-CRITIC_ESTIMATORS = ("gae", "vapo")
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl", "abs")
-LOSS_AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-)
-POLICY_LOSSES = ("ppo_clip", "gspo")
-MODEL_TYPES = ("qwen2", "qwen3", "llama")
-DTYPES = ("float32", "bfloat16", "float16")
-SCHEDULES = ("constant", "cosine", "linear")
+PROTOCOLS = (*sorted(tools.PARSERS), "none")
+# What provides each advantage-estimator input beyond scores and the loss mask (the trainer
+# builds the first two; the others need parts not built yet).
+ADVANTAGE_INPUT_SOURCES = {
+    "values_BT": "a critic (critic.enabled: true)",
+    "kl_BT": "algorithm.kl_in_reward with kl_coef > 0",
+    "baseline_B": "a greedy baseline rollout per prompt (not built yet)",
+    "step_rewards_BS": "multi-turn environment steps (not built yet)",
+}
 
 
 class ConfigError(ValueError):
@@ -59,6 +37,11 @@ class ConfigError(ValueError):
 def _check(cond: bool, name: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{name} {msg}")
+
+
+def _at_least(section_obj: Any, section: str, minimum: int, *fields: str) -> None:
+    for f in fields:
+        _check(getattr(section_obj, f) >= minimum, f"{section}.{f}", f"must be >= {minimum}")
 
 
 def _check_choice(value: Any, name: str, choices: Sequence[str]) -> None:
@@ -90,8 +73,11 @@ class TinyModelConfig:
     seed: int = 0
 
     def __post_init__(self):
-        _check_choice(self.model_type, "model.tiny.model_type", MODEL_TYPES)
-        for f in (
+        _check_choice(self.model_type, "model.tiny.model_type", models.SUPPORTED_MODEL_TYPES)
+        _at_least(
+            self,
+            "model.tiny",
+            1,
             "hidden_size",
             "intermediate_size",
             "num_hidden_layers",
@@ -99,8 +85,7 @@ class TinyModelConfig:
             "num_key_value_heads",
             "head_dim",
             "max_position_embeddings",
-        ):
-            _check(getattr(self, f) > 0, f"model.tiny.{f}", "must be > 0")
+        )
         _check(
             self.num_attention_heads % self.num_key_value_heads == 0,
             "model.tiny.num_attention_heads",
@@ -116,11 +101,10 @@ class ModelSection:
     path: str | None = None
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     dtype: str = "float32"  # compute / parameter dtype of the policy
-    ref_path: str | None = None  # reference policy for KL; null = the initial policy
     remat: bool = False  # rematerialise decoder layers in the update (memory for compute)
 
     def __post_init__(self):
-        _check_choice(self.dtype, "model.dtype", DTYPES)
+        _check_choice(self.dtype, "model.dtype", tuple(models.PARAM_DTYPES))
 
     @property
     def is_tiny(self) -> bool:
@@ -155,6 +139,10 @@ class DataSection:
     shuffle_seed: int = 0
     num_epochs: int | None = None  # null: repeat forever
     skip_bad_lines: bool = False
+    # Prompts longer than rollout.max_prompt_len (rendered with the chat template): dropped and
+    # counted (true) or an error at start-up (false).
+    drop_long_prompts: bool = False
+    max_eval_records: int | None = None  # evaluate on the first N eval records only (null: all)
     # Generated tool-arithmetic task (the demo) when train_files is empty.
     task: str | None = None
     task_train_size: int = 2000
@@ -166,6 +154,11 @@ class DataSection:
         _check(self.batch_size >= 1, "data.batch_size", "must be >= 1")
         _check(self.eval_batch_size >= 1, "data.eval_batch_size", "must be >= 1")
         _check(self.num_epochs is None or self.num_epochs >= 1, "data.num_epochs", "must be >= 1")
+        _check(
+            self.max_eval_records is None or self.max_eval_records >= 1,
+            "data.max_eval_records",
+            "must be >= 1 (or null for all)",
+        )
         if self.task is not None:
             _check_choice(self.task, "data.task", ("tool_arithmetic",))
 
@@ -198,7 +191,10 @@ class RolloutSection:
         _check(self.eval_temperature >= 0, "rollout.eval_temperature", "must be >= 0")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, "rollout.top_k", "must be >= 0")
-        for f in (
+        _at_least(
+            self,
+            "rollout",
+            1,
             "max_prompt_len",
             "max_response_len",
             "chunk_size",
@@ -207,8 +203,7 @@ class RolloutSection:
             "max_obs_tokens",
             "tool_concurrency",
             "eval_group_size",
-        ):
-            _check(getattr(self, f) >= 1, f"rollout.{f}", "must be >= 1")
+        )
         _check(self.max_tool_calls >= 0, "rollout.max_tool_calls", "must be >= 0")
         _check(self.tool_timeout_s > 0, "rollout.tool_timeout_s", "must be > 0")
 
@@ -228,12 +223,32 @@ class ToolSpec:
         _check(bool(self.cls), "tools[].cls", "must be non-empty")
 
 
+def _check_tool(spec: ToolSpec, where: str) -> None:
+    """The tool class exists and takes the `config` keys (checked against its signature, so a
+    recipe with a wrong key fails at load, before any model or worker pool starts)."""
+    try:
+        cls = tools.tool_class(spec.cls)
+    except ValueError as e:
+        raise ConfigError(f"{where}.cls: {e}") from None
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    valid = [n for n, p in params.items() if n != "self" and p.kind is not p.VAR_POSITIONAL]
+    for key in spec.config:
+        if key not in valid and key != "type":
+            hint = difflib.get_close_matches(str(key), valid, n=1)
+            extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise ConfigError(
+                f"{where}.config has unknown key {key!r} for tool {spec.cls!r}{extra}; "
+                f"valid keys: {valid}"
+            )
+
+
 @dataclass(frozen=True)
 class FiltersSection:
     """Group filters applied before the update."""
 
-    dynamic_sampling: bool = False  # DAPO: drop all-equal groups, resample to fill the batch
-    max_sampling_rounds: int = 3
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
     starpo_s: bool = False  # RAGEN: keep the top fraction of groups by reward std
     starpo_keep_frac: float = 0.25
     zerotir: bool = False  # keep groups whose accuracy is in [low, high]
@@ -241,9 +256,6 @@ class FiltersSection:
     zerotir_high: float = 0.8
 
     def __post_init__(self):
-        _check(
-            self.max_sampling_rounds >= 0, "algorithm.filters.max_sampling_rounds", "must be >= 0"
-        )
         _check(
             0 < self.starpo_keep_frac <= 1,
             "algorithm.filters.starpo_keep_frac",
@@ -280,10 +292,12 @@ class AlgorithmSection:
     filters: FiltersSection = field(default_factory=FiltersSection)
 
     def __post_init__(self):
-        _check_choice(self.adv_estimator, "algorithm.adv_estimator", ADV_ESTIMATORS)
-        _check_choice(self.policy_loss, "algorithm.policy_loss", POLICY_LOSSES)
-        _check_choice(self.loss_agg_mode, "algorithm.loss_agg_mode", LOSS_AGG_MODES)
-        _check_choice(self.kl_type, "algorithm.kl_type", KL_TYPES)
+        _check_choice(
+            self.adv_estimator, "algorithm.adv_estimator", algorithms.list_advantage_estimators()
+        )
+        _check_choice(self.policy_loss, "algorithm.policy_loss", algorithms.POLICY_LOSSES)
+        _check_choice(self.loss_agg_mode, "algorithm.loss_agg_mode", algorithms.LOSS_AGG_MODES)
+        _check_choice(self.kl_type, "algorithm.kl_type", algorithms.KL_TYPES)
         _check(
             self.clip_eps_low > 0, "algorithm.clip_eps_low", f"must be > 0, got {self.clip_eps_low}"
         )
@@ -308,7 +322,7 @@ class AlgorithmSection:
 
     @property
     def uses_critic(self) -> bool:
-        return self.adv_estimator in CRITIC_ESTIMATORS
+        return algorithms.needs_critic(self.adv_estimator)
 
     @property
     def kl_in_loss(self) -> bool:
@@ -425,6 +439,7 @@ class SFTSection:
     batch_size: int = 8
     max_len: int = 1024
     num_traces: int = 2000  # generated traces when train_files is empty (demo)
+    max_traces: int | None = None  # use only the first N traces of train_files (null: all)
     tool_mix: float = 0.8  # fraction of tool-using traces among non-trivial problems
     easy_tool_mix: float = 0.0  # fraction of tool-using traces among easy problems
 
@@ -433,6 +448,11 @@ class SFTSection:
         _check(self.lr > 0, "sft.lr", "must be > 0")
         _check(self.batch_size >= 1, "sft.batch_size", "must be >= 1")
         _check(self.max_len >= 1, "sft.max_len", "must be >= 1")
+        _check(
+            self.max_traces is None or self.max_traces >= 1,
+            "sft.max_traces",
+            "must be >= 1 (or null for all)",
+        )
         _check(0 <= self.tool_mix <= 1, "sft.tool_mix", "must be in [0, 1]")
         _check(0 <= self.easy_tool_mix <= 1, "sft.easy_tool_mix", "must be in [0, 1]")
 
@@ -458,14 +478,22 @@ class RunConfig:
     sft: SFTSection = field(default_factory=SFTSection)
 
     def __post_init__(self):
-        if self.algorithm.uses_critic:
+        est, r = self.algorithm.adv_estimator, self.rollout
+        # A group of one response, or of identical greedy ones, gets zero advantages everywhere.
+        if algorithms.uses_group_baseline(est):
             _check(
-                self.critic.enabled,
-                "critic.enabled",
-                f"must be true for algorithm.adv_estimator={self.algorithm.adv_estimator!r}",
+                r.group_size >= 2,
+                "rollout.group_size",
+                f"must be >= 2 for algorithm.adv_estimator={est!r}: a group of one response gets "
+                "zero advantages (use several samples per prompt, or a critic: "
+                "adv_estimator=gae with critic.enabled=true)",
             )
-        if self.algorithm.adv_estimator == "rloo":
-            _check(self.rollout.group_size >= 2, "rollout.group_size", "must be >= 2 for rloo")
+            _check(
+                r.temperature > 0,
+                "rollout.temperature",
+                f"must be > 0 for algorithm.adv_estimator={est!r}: greedy sampling makes the "
+                "responses of a group identical and every advantage zero",
+            )
         if self.tokenizer.path is None:
             _check(
                 self.model.path is not None,
@@ -475,17 +503,38 @@ class RunConfig:
         names = [t.name or t.cls for t in self.tools]
         dup = {n for n in names if names.count(n) > 1}
         _check(not dup, "tools", f"has duplicate tool names {sorted(dup)}")
-        self._check_reward_names()
-
-    def _check_reward_names(self) -> None:
-        try:
-            from jaxrl_tools import rewards as rewards_lib
-        except ImportError:  # rewards not importable: skip, the trainer will complain
-            return
-        known = rewards_lib.registered_rewards()
         for i, spec in enumerate(self.reward):
-            if ":" not in spec.name:  # "module:function" names are resolved by the rewards lib
-                _check_choice(spec.name, f"reward[{i}].name", known)
+            if ":" not in spec.name:  # "module:function" names are imported by the rewards lib
+                _check_choice(spec.name, f"reward[{i}].name", rewards.registered_rewards())
+        for i, spec in enumerate(self.tools):
+            _check_tool(spec, f"tools[{i}]")
+        given = {"values_BT"} if self.critic.enabled else set()
+        if self.algorithm.kl_in_reward and self.algorithm.kl_coef > 0:
+            given.add("kl_BT")
+        est = self.algorithm.adv_estimator
+        if "kl_BT" in given and "kl_BT" not in algorithms.estimator_inputs(est):
+            takes = [
+                n
+                for n in algorithms.list_advantage_estimators()
+                if "kl_BT" in algorithms.estimator_inputs(n)
+            ]
+            raise ConfigError(
+                f"algorithm.kl_in_reward: adv_estimator={est!r} has no token rewards to fold "
+                f"the KL into (it would be dropped); set kl_in_reward=false (KL in the loss) or "
+                f"use one of {takes}"
+            )
+        missing = set(algorithms.estimator_requirements(est)) - given
+        if missing:
+            need = sorted(
+                {
+                    ADVANTAGE_INPUT_SOURCES.get(m, ADVANTAGE_INPUT_SOURCES["step_rewards_BS"])
+                    for m in missing
+                }
+            )
+            raise ConfigError(
+                f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} needs "
+                f"{' and '.join(need)}, which this run does not provide"
+            )
 
     @property
     def use_reference_model(self) -> bool:
@@ -494,216 +543,3 @@ class RunConfig:
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer.path if self.tokenizer.path is not None else str(self.model.path)
-
-
-# --------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------
-
-_KEY_ALIASES = {ToolSpec: {"class": "cls"}}
-
-
-def _strip_optional(tp):
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
-
-
-def _validate_keys(cls, raw: Any, path: str) -> Any:
-    """Check `raw` against dataclass `cls`: unknown keys and non-mappings are ConfigErrors.
-
-    Returns raw with key aliases applied (e.g. a tool's `class` -> `cls`).
-    """
-    where = path or "the top level"
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where} must be a mapping with keys {_field_names(cls)}, got {raw!r}")
-    aliases = _KEY_ALIASES.get(cls, {})
-    raw = {aliases.get(k, k): v for k, v in raw.items()}
-    hints = typing.get_type_hints(cls)
-    names = _field_names(cls)
-    for key, value in raw.items():
-        full = f"{path}.{key}" if path else str(key)
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"unknown key '{full}'{hint}; valid keys for {where}: {names}")
-        tp = _strip_optional(hints[key])
-        if dataclasses.is_dataclass(tp) and value is not None:
-            raw[key] = _validate_keys(tp, value, full)
-        elif typing.get_origin(tp) in (tuple, list) and value is not None:
-            (elem, *_) = typing.get_args(tp) or (Any,)
-            if dataclasses.is_dataclass(elem):
-                if not isinstance(value, list | tuple):
-                    raise ConfigError(f"{full} must be a list of {elem.__name__}, got {value!r}")
-                raw[key] = [_validate_keys(elem, v, f"{full}[{i}]") for i, v in enumerate(value)]
-    return raw
-
-
-def _field_names(cls) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
-
-
-_OVERRIDE_RE = re.compile(r"^(?:--)?([A-Za-z_][\w.\[\]]*)=(.*)$", re.DOTALL)
-
-
-def _parse_overrides(overrides: Sequence[str]) -> list[tuple[str, str]]:
-    """Accept `a.b=v`, `--a.b=v` and `--a.b v`; return (dotted key, value string) pairs."""
-    out = []
-    i = 0
-    items = list(overrides)
-    while i < len(items):
-        item = items[i]
-        m = _OVERRIDE_RE.match(item)
-        if m:
-            out.append((m.group(1), m.group(2)))
-            i += 1
-        elif item.startswith("--") and i + 1 < len(items):
-            out.append((item[2:], items[i + 1]))
-            i += 2
-        else:
-            raise ConfigError(
-                f"cannot parse override {item!r}: use 'section.key=value' or '--section.key value'"
-            )
-    return out
-
-
-def _set_dotted(raw: dict, key: str, value: Any) -> None:
-    # "reward.0.weight" / "reward[0].weight" index into lists.
-    parts = [p for p in re.split(r"\.|\[|\]", key) if p]
-    node: Any = raw
-    for j, part in enumerate(parts):
-        last = j == len(parts) - 1
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise ConfigError(
-                    f"override {key!r}: index {part!r} out of range ({len(node)} items)"
-                )
-            if last:
-                node[int(part)] = value
-            else:
-                node = node[int(part)]
-            continue
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {key!r}: {'.'.join(parts[:j])} is not a mapping")
-        if last:
-            node[part] = value
-        else:
-            if node.get(part) is None:
-                node[part] = {} if not parts[j + 1].isdigit() else []
-            node = node[part]
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    # YAML 1.1 reads "1e-6" as a string; draccus converts strings to the field's type.
-    return value
-
-
-def _find_config_error(exc: BaseException) -> ConfigError | None:
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, ConfigError):
-            return exc
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
-def config_from_dict(raw: dict | None) -> RunConfig:
-    """Build a RunConfig from a plain nested dict (as read from YAML).
-
-    Raises:
-      ConfigError: unknown key (names the key and the valid keys), wrong type or invalid value
-        (names the field).
-    """
-    raw = _validate_keys(RunConfig, dict(raw or {}), "")
-    try:
-        return draccus.decode(RunConfig, raw)
-    except ConfigError:
-        raise
-    except Exception as e:  # draccus wraps __post_init__ errors; surface ours
-        inner = _find_config_error(e)
-        if inner is not None:
-            raise ConfigError(str(inner)) from None
-        raise ConfigError(f"invalid config: {e}") from e
-
-
-def load_config(
-    yaml_path: str | os.PathLike | None = None, overrides: Sequence[str] = ()
-) -> RunConfig:
-    """Load a RunConfig from a YAML file plus dotted overrides.
-
-    Args:
-      yaml_path: a YAML file (sections as in RunConfig), or None for the defaults.
-      overrides: e.g. ["trainer.steps=10", "--optim.lr", "2e-6", "--rollout.top_p=0.9",
-        "reward.0.weight=0.5"]; values are parsed as YAML ("[1,2]", "null", "true").
-
-    Returns:
-      The frozen, validated RunConfig.
-
-    Raises:
-      ConfigError: naming the file, key or field at fault.
-    """
-    raw: dict = {}
-    if yaml_path is not None:
-        path = Path(yaml_path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: invalid YAML: {e}") from e
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
-    for key, text in _parse_overrides(overrides):
-        _set_dotted(raw, key, _parse_value(text))
-    try:
-        return config_from_dict(raw)
-    except ConfigError as e:
-        where = f"{yaml_path}: " if yaml_path is not None else ""
-        raise ConfigError(f"{where}{e}") from None
-
-
-def config_to_yaml(cfg: RunConfig) -> str:
-    """Serialise a RunConfig to YAML text (loadable by load_config)."""
-    buf = io.StringIO()
-    draccus.dump(cfg, buf)
-    return buf.getvalue()
-
-
-def save_config(cfg: RunConfig, path: str | os.PathLike) -> None:
-    """Write `cfg` as YAML to `path` (parent folders are created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(config_to_yaml(cfg))
-
-
-__all__ = [
-    "ConfigError",
-    "RunConfig",
-    "ModelSection",
-    "TinyModelConfig",
-    "TokenizerSection",
-    "DataSection",
-    "RolloutSection",
-    "ToolSpec",
-    "AlgorithmSection",
-    "FiltersSection",
-    "RewardSpec",
-    "OptimSection",
-    "CriticSection",
-    "TrainerSection",
-    "SFTSection",
-    "load_config",
-    "save_config",
-    "config_from_dict",
-    "config_to_yaml",
-    "PROTOCOLS",
-    "ADV_ESTIMATORS",
-]

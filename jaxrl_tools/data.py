@@ -1,4 +1,5 @@
-"""Prompt data: jsonl / parquet records -> a grain pipeline with resumable iterator state.
+"""Prompt data: jsonl / parquet records -> a grain pipeline with resumable iterator state, and
+SFT trace files (rendering prompts is `prompts`).
 
 A record holds a prompt (a string or a list of chat messages), a ground truth and optionally
 its tool set:
@@ -10,7 +11,6 @@ its tool set:
     batch = next(loader)                       # a list of 8 normalised records
     state = loader.get_state()                 # save with the checkpoint ...
     loader.set_state(state)                    # ... and a resumed run sees the same data
-    text = render_prompt(tokenizer, batch[0], tools_schema, system_prompt)
 
 Bad input (a bad JSON line, a missing field) is a `DataError` naming the file and line, or,
 with `skip_bad_lines=True`, a logged warning; the count is `source.num_skipped`.
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import grain
+import pyarrow.parquet as pq
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +112,6 @@ class RecordSource:
             raise DataError(f"data file not found: {path}")
         suffix = path.suffix.lower()
         if suffix == ".parquet":
-            import pyarrow.parquet as pq
-
             try:
                 rows = pq.read_table(path).to_pylist()
             except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds
@@ -259,19 +258,37 @@ class PromptLoader:
         self._it.set_state(dict(state))
 
 
-def loader_from_config(data_cfg, split: str = "train", **overrides) -> PromptLoader:
-    """A PromptLoader from a `config.DataSection` (split "train": shuffled, repeated;
-    "eval": file order, one pass, the last partial batch kept)."""
+def record_source(data_cfg, split: str = "train") -> RecordSource:
+    """The records of a `config.DataSection`'s train or eval files (read and checked now)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     files = data_cfg.train_files if split == "train" else data_cfg.eval_files
-    source = RecordSource(
+    return RecordSource(
         list(files),
         prompt_key=data_cfg.prompt_key,
         answer_key=data_cfg.answer_key,
         tools_key=data_cfg.tools_key,
         skip_bad_lines=data_cfg.skip_bad_lines,
     )
+
+
+def loader_from_config(
+    data_cfg, split: str = "train", *, source: Sequence[Any] | None = None, **overrides
+) -> PromptLoader:
+    """A PromptLoader from a `config.DataSection` (split "train": shuffled, repeated;
+    "eval": file order, one pass, the last partial batch kept).
+
+    Args:
+      data_cfg: the data section.
+      split: "train" or "eval".
+      source: the records (default: `record_source(data_cfg, split)`), e.g. generated ones or
+        those left by `fit_prompts`.
+      **overrides: PromptLoader arguments.
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if source is None:
+        source = record_source(data_cfg, split)
     if split == "train":
         kw = dict(
             batch_size=data_cfg.batch_size,
@@ -286,79 +303,23 @@ def loader_from_config(data_cfg, split: str = "train", **overrides) -> PromptLoa
     return PromptLoader(source, **kw)
 
 
-def _schema_name(schema: Mapping) -> str | None:
-    fn = schema.get("function", schema)
-    return fn.get("name") if isinstance(fn, Mapping) else None
-
-
-def select_tools(record_tools: Any, tools_schema: Any) -> list[dict] | None:
-    """The tool declarations for one record.
-
-    Args:
-      record_tools: the record's `tools` (None, a list of tool names, or a list of schemas).
-      tools_schema: all available declarations (a list of JSON schemas, or a name -> schema
-        mapping), or None.
-
-    Returns:
-      The schemas to render (None = no tools). A record that names tools gets those (an unknown
-      name is a DataError); a record with its own schemas uses them; a record without `tools`
-      gets all of `tools_schema`.
-    """
-    if isinstance(tools_schema, Mapping):
-        by_name = dict(tools_schema)
-    else:
-        by_name = {_schema_name(s): s for s in (tools_schema or [])}
-    if record_tools is None:
-        return list(by_name.values()) or None
+def load_sft_traces(files: Sequence[str | os.PathLike]) -> list[list[list[Any]]]:
+    """SFT traces from jsonl files, one {"segments": [[text, trainable], ...]} per line."""
     out = []
-    for t in record_tools:
-        if isinstance(t, Mapping):
-            out.append(dict(t))
-        elif t in by_name:
-            out.append(by_name[t])
-        else:
-            raise DataError(f"record names unknown tool {t!r}; declared tools: {sorted(by_name)}")
-    return out or None
-
-
-def prompt_messages(record: Mapping[str, Any], system_prompt: str | None = None) -> list[dict]:
-    """The record's prompt as chat messages, with `system_prompt` first unless it has one."""
-    prompt = record["prompt"]
-    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    if system_prompt and (not msgs or msgs[0].get("role") != "system"):
-        msgs = [{"role": "system", "content": system_prompt}] + msgs
-    return msgs
-
-
-def render_prompt(
-    tokenizer,
-    record: Mapping[str, Any],
-    tools_schema: Any = None,
-    system_prompt: str | None = None,
-) -> str:
-    """Apply the tokenizer's chat template to a record's prompt, with its tool declarations,
-    ending with the assistant generation prompt.
-
-    Args:
-      tokenizer: an HF tokenizer with a chat template.
-      record: a record from `RecordSource` (or any mapping with "prompt" and optional "tools").
-      tools_schema: available tool declarations (see `select_tools`); None = no tools.
-      system_prompt: optional system message (the record's own system message wins).
-
-    Returns:
-      The prompt text (tokenize with add_special_tokens=False).
-    """
-    tools = select_tools(record.get("tools"), tools_schema) if tools_schema is not None else None
-    if tools_schema is None and record.get("tools"):
-        # A record may carry full schemas itself.
-        if all(isinstance(t, Mapping) for t in record["tools"]):
-            tools = [dict(t) for t in record["tools"]]
-    return tokenizer.apply_chat_template(
-        prompt_messages(record, system_prompt),
-        tools=tools,
-        tokenize=False,
-        add_generation_prompt=True,
-    )
+    for path in files:
+        if not Path(path).is_file():
+            raise DataError(f"SFT trace file not found: {path}")
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    out.append(json.loads(line)["segments"])
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise DataError(
+                        f"{path}:{n}: not a JSON object with 'segments' ({e})"
+                    ) from None
+    return out
 
 
 __all__ = [
@@ -367,8 +328,7 @@ __all__ = [
     "RecordSource",
     "make_dataset",
     "PromptLoader",
+    "record_source",
     "loader_from_config",
-    "select_tools",
-    "prompt_messages",
-    "render_prompt",
+    "load_sft_traces",
 ]

@@ -1,13 +1,16 @@
 """The composition root: builds a run's parts from a RunConfig and drives them.
 
-Entry points (the CLI's subcommands) call `sft`, `train`, `evaluate`, `export` and `demo`
-here; each only wires library pieces together.
+The CLI's subcommands call `train`, `sft_only`, `evaluate_policy`, `export` and `demo`; each
+wires library pieces together, handing every piece only its own section of the config.
 """
 
+from __future__ import annotations
+
+import asyncio
+import dataclasses
 import json
 import logging
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,333 +18,177 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_tools import data as data_lib
-from jaxrl_tools import models, sharding, tasks
-from jaxrl_tools.config import ConfigError, RunConfig
-from jaxrl_tools.tokenizer import build_tokenizer, load_tokenizer
+from jaxrl_tools import check, data, models, sharding
+from jaxrl_tools.config import ConfigError, RewardSpec, RunConfig
+from jaxrl_tools.demo import report, task
+from jaxrl_tools.eval import evaluate
+from jaxrl_tools.rewards import CompositeReward
+from jaxrl_tools.rollout import Sampler, make_engine
+from jaxrl_tools.tools import ToolExecutor, create_tool
+from jaxrl_tools.train import sft
+from jaxrl_tools.train.batch import make_batch
+from jaxrl_tools.train.checkpoint import Checkpointer
+from jaxrl_tools.train.metrics import MetricsLogger
+from jaxrl_tools.train.rl import RLSetup, RLTrainer
+from jaxrl_tools.train.signals import RunInterrupted, StopOnSignal
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
 
 # ---------------------------------------------------------------------------------- pieces
 
 
 def make_mesh(cfg: RunConfig):
-    """The run's mesh, or None on a single device with the trivial 1x1x1 shape."""
+    """The run's mesh, or None for the trivial 1x1x1 shape (one device, the default one)."""
     shape = cfg.trainer.mesh_shape
     if shape is None:
         return sharding.make_mesh((1, -1, 1))
-    if shape == (1, 1, 1) and jax.device_count() == 1:
+    if shape == (1, 1, 1):
         return None
     return sharding.make_mesh(shape)
 
 
 def setup_tokenizer(cfg: RunConfig):
-    t = cfg.tokenizer
-    path = Path(cfg.tokenizer_path)
-    if (path / "tokenizer.json").exists() or not t.build:
-        return load_tokenizer(path)
-    return build_tokenizer(path, vocab_size=t.vocab_size, seed=t.seed)
-
-
-def tiny_model_config(cfg: RunConfig, tokenizer) -> models.ModelConfig:
-    tiny = cfg.model.tiny
-    return models.ModelConfig(
-        model_type=tiny.model_type,
-        vocab_size=len(tokenizer),
-        hidden_size=tiny.hidden_size,
-        intermediate_size=tiny.intermediate_size,
-        num_hidden_layers=tiny.num_hidden_layers,
-        num_attention_heads=tiny.num_attention_heads,
-        num_key_value_heads=tiny.num_key_value_heads,
-        head_dim=tiny.head_dim,
-        rope_theta=tiny.rope_theta,
-        tie_word_embeddings=tiny.tie_word_embeddings,
-        attention_bias=tiny.model_type == "qwen2",
-        qk_norm=tiny.model_type == "qwen3",
-        max_position_embeddings=tiny.max_position_embeddings,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    """The tokenizer folder's tokenizer; for a tiny model (`model.path: null`) with
+    `tokenizer.build`, built there first if missing. Never built into a model's folder, and a
+    folder built with another vocab_size or seed is an error (`check.check_tokenizer`)."""
+    return check.open_tokenizer(cfg)
 
 
 def setup_model(cfg: RunConfig, tokenizer, mesh=None) -> tuple[models.ModelConfig, Any]:
     """The policy: loaded from `model.path`, or a random-init tiny model."""
-    dtype = DTYPES[cfg.model.dtype]
+    dtype = models.PARAM_DTYPES[cfg.model.dtype]
     if cfg.model.path is not None:
         return models.from_pretrained(cfg.model.path, dtype=dtype, mesh=mesh)
-    model_cfg = tiny_model_config(cfg, tokenizer)
-    params = models.init_params(
-        model_cfg, jax.random.key(cfg.model.tiny.seed), dtype=dtype, mesh=mesh
+    tiny = dataclasses.asdict(cfg.model.tiny)
+    seed = tiny.pop("seed")
+    model_cfg = models.ModelConfig(
+        **tiny,
+        vocab_size=len(tokenizer),
+        attention_bias=tiny["model_type"] == "qwen2",
+        qk_norm=tiny["model_type"] == "qwen3",
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
-    return model_cfg, params
+    return model_cfg, models.init_params(model_cfg, jax.random.key(seed), dtype=dtype, mesh=mesh)
 
 
 def setup_tools(cfg: RunConfig) -> list:
-    """The tools the config declares (the sandboxed Python tool starts its worker pool here)."""
-    from jaxrl_tools.tools import create_tool
-
-    out = []
+    """The tools the config declares, started (the Python tool's worker pool starts here)."""
+    tools = []
     for spec in cfg.tools:
         tool = create_tool(spec.cls, dict(spec.config))
-        if spec.name:
-            tool.name = spec.name
-        out.append(tool)
-    return out
+        tool.name = spec.name or tool.name
+        tools.append(tool)
+    for tool in tools:
+        tool.start()
+    return tools
 
 
-def make_executor(cfg: RunConfig, tools: list):
-    """The ToolExecutor over `tools` (None when there are none: plain generation)."""
-    from jaxrl_tools.tools import ToolExecutor
+def close_tools(tools: list) -> None:
+    for tool in tools:
+        try:
+            asyncio.run(tool.close())
+        except Exception as e:  # noqa: BLE001 - closing must not hide the run's own error
+            log.warning("closing tool %s: %s", tool.name, e)
 
-    if not tools:
-        return None
-    return ToolExecutor(
-        tools, max_concurrency=cfg.rollout.tool_concurrency, timeout_s=cfg.rollout.tool_timeout_s
+
+def make_sampler(cfg: RunConfig, model_cfg, params, tokenizer, tools: list, mesh=None) -> Sampler:
+    r = cfg.rollout
+    executor = (
+        ToolExecutor(tools, max_concurrency=r.tool_concurrency, timeout_s=r.tool_timeout_s)
+        if tools
+        else None
+    )
+    engine = make_engine(model_cfg, params, tokenizer, r, mesh=mesh, seed=cfg.trainer.seed)
+    return Sampler(
+        engine, tokenizer, executor, r, system_prompt=cfg.data.system_prompt, seed=cfg.trainer.seed
     )
 
 
-def make_reward(cfg: RunConfig):
-    from jaxrl_tools.rewards import CompositeReward
-
+def make_reward(cfg: RunConfig) -> CompositeReward:
     return CompositeReward([(r.name, r.weight, r.kwargs) for r in cfg.reward])
 
 
-def task_records(cfg: RunConfig, split: str) -> list[dict]:
-    """Records of the generated task (the held-out eval set is drawn from another seed)."""
-    d = cfg.data
-    n, seed = (
-        (d.task_train_size, d.shuffle_seed)
-        if split == "train"
-        else (d.task_eval_size, d.shuffle_seed + 10_000)
+def make_trainer(cfg: RunConfig, model_cfg, params, mesh=None) -> RLTrainer:
+    setup = RLSetup(
+        rows=cfg.data.batch_size * cfg.rollout.group_size,
+        group_size=cfg.rollout.group_size,
+        temperature=cfg.rollout.temperature,
+        max_response_len=cfg.rollout.max_response_len,
+        total_steps=cfg.trainer.steps,
+        seed=cfg.trainer.seed,
+        remat=cfg.model.remat,
     )
-    all_levels = tuple(range(d.task_difficulty + 1))
-    levels = all_levels if split == "train" or d.task_eval_all_levels else (d.task_difficulty,)
-    # Function calling declares the tool in the system turn; inline protocols need no schema.
-    tools = ("python",) if cfg.rollout.protocol in ("qwen", "hermes") else ()
-    return [p.to_record(tools=tools) for p in tasks.make_problems(n, seed=seed, difficulty=levels)]
+    return RLTrainer(
+        model_cfg,
+        params,
+        algorithm=cfg.algorithm,
+        optim=cfg.optim,
+        critic=cfg.critic,
+        setup=setup,
+        mesh=mesh,
+    )
+
+
+def train_loader(cfg: RunConfig) -> data.PromptLoader:
+    """The prompts of the RL steps (without those over `rollout.max_prompt_len` tokens, with
+    `data.drop_long_prompts`)."""
+    if cfg.data.task is not None:
+        records = task.task_records(cfg.data, cfg.rollout.protocol, "train")
+    else:
+        records = data.record_source(cfg.data, "train")
+    return data.loader_from_config(
+        cfg.data, "train", source=check.fit_prompts(cfg, records, "train")
+    )
 
 
 def eval_records(cfg: RunConfig) -> list[dict]:
+    """The held-out prompts (the first `data.max_eval_records`; long ones dropped as in
+    `train_loader`)."""
     if cfg.data.task is not None:
-        return task_records(cfg, "eval")
-    loader = data_lib.loader_from_config(cfg.data, "eval")
-    return [r for batch in loader for r in batch]
+        records = task.task_records(cfg.data, cfg.rollout.protocol, "eval")
+    else:
+        records = list(data.record_source(cfg.data, "eval"))
+    records = records[: cfg.data.max_eval_records]
+    return list(check.fit_prompts(cfg, records, "eval"))
 
 
-def write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2, default=_json_default))
-
-
-def _json_default(x):
-    if isinstance(x, np.generic | np.ndarray):
-        return x.tolist()
-    return str(x)
-
-
-# ---------------------------------------------------------------------------------- rollout
-
-
-class Rollout:
-    """Samples trajectories of prompt records with the decode engine and the tools.
-
-    Args:
-      cfg: the run config (rollout section: protocol, limits, sampling).
-      engine: an `EngineCore` over the policy's architecture.
-      tokenizer: the HF tokenizer (chat template, stop strings).
-      executor: the ToolExecutor (None: no tools; the protocol is then ignored).
-    """
-
-    def __init__(self, cfg: RunConfig, engine, tokenizer, executor):
-        from jaxrl_tools.rollout import RolloutLimits
-
-        r = cfg.rollout
-        self.cfg, self.engine, self.tokenizer, self.executor = cfg, engine, tokenizer, executor
-        self.limits = RolloutLimits(
-            max_response_tokens=r.max_response_len,
-            max_tool_calls=r.max_tool_calls,
-            max_turns=r.max_turns,
-            max_obs_tokens=r.max_obs_tokens,
-            chunk_size=r.chunk_size,
-        )
-        # Only the function-calling protocol declares tools in the system turn; inline
-        # protocols (ToRL, ReTool, Search-R1) describe them in the prompt.
-        function_calling = r.protocol in ("qwen", "hermes")
-        self.tools_schema = executor.schemas() if (executor and function_calling) else []
-        self.calls = 0
-
-    def __call__(
-        self,
-        records: Sequence[dict],
-        group_size: int,
-        params,
-        *,
-        temperature: float | None = None,
-        seed: int | None = None,
-    ) -> list:
-        from jaxrl_tools.rollout import run_rollouts
-        from jaxrl_tools.sampling import SamplingParams
-
-        r = self.cfg.rollout
-        temp = r.temperature if temperature is None else temperature
-        sampling = SamplingParams(
-            temperature=temp, top_k=r.top_k if temp > 0 else 0, top_p=r.top_p if temp > 0 else 1.0
-        )
-        if seed is None:  # a new key per call, reproducible from the run seed
-            seed = self.cfg.trainer.seed * 1_000_003 + self.calls
-        self.calls += 1
-        prompts = [self.encode_prompt(rec) for rec in records]
-        return run_rollouts(
-            self.engine,
-            params,
-            prompts,
-            tokenizer=self.tokenizer,
-            num_samples=group_size,
-            protocol=r.protocol if self.executor is not None else None,
-            executor=self.executor,
-            limits=self.limits,
-            sampling=sampling,
-            rng=seed,
-        )
-
-    def encode_prompt(self, record: dict) -> list[int]:
-        """The record's prompt through the chat template, with its tool declarations."""
-        text = data_lib.render_prompt(
-            self.tokenizer, record, self.tools_schema or None, self.cfg.data.system_prompt
-        )
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        limit = self.cfg.rollout.max_prompt_len
-        if len(ids) > limit:
-            raise ValueError(
-                f"prompt of record {record.get('id', record.get('prompt'))!r} has {len(ids)} "
-                f"tokens, more than rollout.max_prompt_len={limit}"
-            )
-        return ids
-
-
-def make_engine(cfg: RunConfig, model_cfg, params, tokenizer, mesh=None):
-    from jaxrl_tools.engine import EngineCore, next_pow2
-
+def run_eval(cfg: RunConfig, sampler: Sampler, params, records, reward) -> dict:
     r = cfg.rollout
-    prefill = next_pow2(r.max_prompt_len, 16)
-    return EngineCore(
-        model_cfg,
+    return evaluate(
+        sampler,
         params,
-        slots=r.slots,
-        max_len=prefill + r.max_response_len,
-        max_prefill_length=prefill,
-        tokenizer=tokenizer,
-        mesh=mesh,
+        records,
+        reward,
+        group_size=r.eval_group_size,
+        temperature=r.eval_temperature,
+        batch_size=cfg.data.eval_batch_size,
         seed=cfg.trainer.seed,
     )
 
 
-def evaluate(cfg: RunConfig, rollout: Rollout, params, records: Sequence[dict], reward) -> dict:
-    """Greedy (or `rollout.eval_temperature`) accuracy and tool statistics on `records`."""
-    from jaxrl_tools.rewards import is_correct
-    from jaxrl_tools.trainer import rollout_metrics, score_trajectories
-
-    g = cfg.rollout.eval_group_size
-    trajs = []
-    bs = cfg.data.eval_batch_size
-    for i in range(0, len(records), bs):
-        trajs += rollout(
-            records[i : i + bs],
-            g,
-            params,
-            temperature=cfg.rollout.eval_temperature,
-            seed=cfg.trainer.seed + i,
-        )
-    gts = [records[i // g].get("ground_truth") for i in range(len(trajs))]
-    scores, parts = score_trajectories(reward, records, trajs, g)
-    metrics = rollout_metrics(trajs, scores, parts)
-    metrics["num_problems"] = len(records)
-    # Accuracy by the answer alone, whatever the reward (OTC's reward also weighs tool calls).
-    kind = "qa" if any(r.name == "qa_em" for r in cfg.reward) else "math"
-    correct = np.array([is_correct(t.response_text, gt, kind) for t, gt in zip(trajs, gts)])
-    used = np.array([t.num_tool_calls > 0 for t in trajs])
-    metrics["reward/accuracy"] = float(correct.mean())
-    if g > 1:  # pass@g: any of a problem's g samples correct
-        metrics[f"reward/pass@{g}"] = float(correct.reshape(-1, g).any(axis=1).mean())
-    levels = np.array([records[i // g].get("difficulty", -1) for i in range(len(trajs))])
-    for lv in sorted(set(levels.tolist()) - {-1}):
-        sel = levels == lv
-        metrics[f"level/{lv}/accuracy"] = float(correct[sel].mean())
-        metrics[f"level/{lv}/tool"] = float(used[sel].mean())
-    metrics["_examples"] = [
-        {
-            "prompt": records[i // g].get("prompt"),
-            "response": trajs[i].response_text,
-            "ground_truth": gts[i],
-            "score": float(scores[i]),
-        }
-        for i in range(min(3, len(trajs)))
-    ]
-    return metrics
-
-
-# ---------------------------------------------------------------------------------- stages
-
-
-def sft_traces(cfg: RunConfig, tokenizer) -> list:
-    """SFT traces as segment lists: from `sft.train_files` (jsonl with `segments`) or generated
-    for the demo task."""
+def run_sft(cfg: RunConfig, model_cfg, params, tokenizer, mesh=None):
     if cfg.sft.train_files:
-        out = []
-        for path in cfg.sft.train_files:
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        out.append(json.loads(line)["segments"])
-                    except (json.JSONDecodeError, KeyError) as e:
-                        raise ValueError(
-                            f"{path}:{n}: not a JSON object with 'segments' ({e})"
-                        ) from None
-        return out
-    problems = tasks.make_problems(
-        cfg.sft.num_traces,
-        seed=cfg.data.shuffle_seed + 20_000,
-        difficulty=tuple(range(cfg.data.task_difficulty + 1)),
-    )
-    traces = tasks.sft_traces(
-        problems,
-        tokenizer,
-        mix=cfg.sft.tool_mix,
-        easy_mix=cfg.sft.easy_tool_mix,
-        protocol=cfg.rollout.protocol,
-        seed=cfg.data.shuffle_seed,
-        system_prompt=cfg.data.system_prompt,
-    )
-    return [t["segments"] for t in traces]
-
-
-def run_sft(cfg: RunConfig, model_cfg, params, tokenizer, logger=None, mesh=None):
-    from jaxrl_tools import sft
-
-    traces = sft_traces(cfg, tokenizer)
+        traces = data.load_sft_traces(cfg.sft.train_files)[: cfg.sft.max_traces]
+    else:
+        traces = task.task_sft_traces(cfg.data, cfg.sft, cfg.rollout.protocol, tokenizer)
     log.info("SFT on %d traces for %d epochs", len(traces), cfg.sft.epochs)
 
     def on_step(step, metrics):
-        if logger is not None:
-            logger.log(step, metrics)
         if step % 20 == 0:
             log.info("SFT step %d: loss %.4f", step, float(metrics["sft/loss"]))
 
+    s = cfg.sft
     return sft.train_sft(
         model_cfg,
         params,
         tokenizer,
         traces,
-        epochs=cfg.sft.epochs,
-        lr=cfg.sft.lr,
-        batch_size=cfg.sft.batch_size,
-        max_len=cfg.sft.max_len,
-        warmup_steps=cfg.sft.warmup_steps,
+        epochs=s.epochs,
+        lr=s.lr,
+        batch_size=s.batch_size,
+        max_len=s.max_len,
+        warmup_steps=s.warmup_steps,
         micro_batch_size=cfg.optim.micro_batch_size,
         seed=cfg.trainer.seed,
         on_step=on_step,
@@ -349,16 +196,17 @@ def run_sft(cfg: RunConfig, model_cfg, params, tokenizer, logger=None, mesh=None
     )
 
 
-def train_records_loader(cfg: RunConfig):
-    if cfg.data.task is not None:
-        return data_lib.PromptLoader(
-            task_records(cfg, "train"), batch_size=cfg.data.batch_size, seed=cfg.data.shuffle_seed
-        )
-    return data_lib.loader_from_config(cfg.data, "train")
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    default = lambda x: x.tolist() if isinstance(x, np.generic | np.ndarray) else str(x)
+    path.write_text(json.dumps(obj, indent=2, default=default))
 
 
-def _strip_private(metrics: dict) -> dict:
+def public(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not k.startswith("_")}
+
+
+# ---------------------------------------------------------------------------------- stages
 
 
 def train(
@@ -384,10 +232,7 @@ def train(
     Returns:
       A summary: final metrics, and the held-out evaluations asked for ("before", "after").
     """
-    from jaxrl_tools.checkpoint import Checkpointer
-    from jaxrl_tools.metrics import MetricsLogger
-    from jaxrl_tools.trainer import RLTrainer
-
+    check.preflight(cfg, needs_eval=evaluate_before or evaluate_after)
     sharding.initialize_distributed()
     t = cfg.trainer
     run_dir = Path(t.log_dir)
@@ -408,10 +253,10 @@ def train(
         )
     resuming = latest is not None
     tools = setup_tools(cfg)
-    executor = make_executor(cfg, tools)
-    engine = make_engine(cfg, model_cfg, params, tokenizer, mesh)
-    rollout = Rollout(cfg, engine, tokenizer, executor)
-    logger = MetricsLogger(run_dir, total_steps=t.steps, desc=t.run_name)
+    sampler = make_sampler(cfg, model_cfg, params, tokenizer, tools, mesh)
+    logger = MetricsLogger(
+        run_dir, total_steps=t.steps, desc=t.run_name, start_step=latest if resuming else 0
+    )
     summary: dict[str, Any] = {"run_name": t.run_name}
     try:
         if init_params is not None:
@@ -426,79 +271,107 @@ def train(
             if resuming and before_path.exists():
                 summary["before"] = json.loads(before_path.read_text())
             else:
-                summary["before"] = evaluate(cfg, rollout, params, evals, reward)
+                summary["before"] = run_eval(cfg, sampler, params, evals, reward)
                 write_json(before_path, summary["before"])
         if keep_init_params and not resuming:  # the update donates the state's buffers
             summary["init_params"] = jax.tree.map(jnp.copy, params)
-        trainer = RLTrainer(
-            cfg, model_cfg, params, rollout, reward, pad_id=tokenizer.pad_token_id or 0, mesh=mesh
-        )
-        loader = train_records_loader(cfg)
+        trainer = make_trainer(cfg, model_cfg, params, mesh)
+        loader = train_loader(cfg)
         start = 0
         if resuming:
             start, state, extras = ckpt.restore(trainer.checkpoint_state())
             trainer.load_checkpoint_state(state)
             loader.set_state(extras["data"])
-            rollout.calls = extras["rollout_calls"]
+            sampler.calls = extras["rollout_calls"]
             log.info("resumed from step %d of %s", start, ckpt.directory)
         metrics: dict = {}
-        for step in range(start + 1, t.steps + 1):
-            metrics = trainer.step(next(loader))
-            if t.eval_every and step % t.eval_every == 0 and step != t.steps:
-                ev = evaluate(cfg, rollout, trainer.params, evals, reward)
-                metrics.update({f"eval/{k}": v for k, v in _strip_private(ev).items()})
-            logger.log(step, metrics)
-            extras = {
-                "data": loader.get_state(),
-                "rollout_calls": rollout.calls,
-                "metrics": _strip_private(metrics),
-            }
-            ckpt.save(step, trainer.checkpoint_state(), extras, force=step == t.steps)
+        group_size, pad_id = cfg.rollout.group_size, tokenizer.pad_token_id or 0
+        with StopOnSignal() as stop:
+            for step in range(start + 1, t.steps + 1):
+                records = next(loader)
+                t0 = time.perf_counter()
+                trajs = sampler(records, group_size, trainer.params)
+                rollout_s = time.perf_counter() - t0
+                batch = make_batch(
+                    records, trajs, reward, cfg.algorithm.filters,
+                    group_size=group_size, rows=trainer.rows, pad_id=pad_id,
+                )  # fmt: skip
+                metrics = trainer.step(batch)
+                metrics["time/rollout_s"] = rollout_s
+                n_tokens = sum(len(tr.response_ids) for tr in trajs)
+                metrics["throughput/rollout_tokens_per_s"] = n_tokens / max(rollout_s, 1e-9)
+                if t.eval_every and step % t.eval_every == 0 and step != t.steps:
+                    ev = run_eval(cfg, sampler, trainer.params, evals, reward)
+                    metrics.update({f"eval/{k}": v for k, v in public(ev).items()})
+                if step % t.log_every == 0 or step == t.steps:
+                    logger.log(step, metrics)
+                extras = {"data": loader.get_state(), "rollout_calls": sampler.calls}
+                extras["metrics"] = public(metrics)
+                last = step == t.steps or stop.signum is not None
+                if ckpt.save(step, trainer.checkpoint_state(), extras, force=last):
+                    logger.flush()  # what the checkpoint covers is on disk too
+                if stop.signum is not None and step != t.steps:
+                    ckpt.wait()
+                    raise RunInterrupted(step, stop.signum, str(ckpt.directory))
         ckpt.wait()
-        summary["final_metrics"] = _strip_private(metrics)
+        summary["final_metrics"] = public(metrics)
         if evaluate_after:
-            summary["after"] = evaluate(cfg, rollout, trainer.params, evals, reward)
+            summary["after"] = run_eval(cfg, sampler, trainer.params, evals, reward)
         summary["plot"] = str(logger.plot() or "")
-        summary["params"] = trainer.params
-        summary["model_config"] = model_cfg
-        summary["tokenizer"] = tokenizer
+        summary.update(params=trainer.params, model_config=model_cfg, tokenizer=tokenizer)
         return summary
     finally:
         logger.close()
         ckpt.close()
-        for tool in tools:
-            _close_tool(tool)
-
-
-def _close_tool(tool) -> None:
-    import asyncio
-
-    try:
-        asyncio.run(tool.close())
-    except Exception as e:  # noqa: BLE001 - closing must not hide the run's own error
-        log.warning("closing tool %s: %s", tool.name, e)
+        close_tools(tools)
 
 
 def restore_policy(cfg: RunConfig, step: int | None = None):
-    """(model_cfg, params, tokenizer, step) of a run's checkpoint."""
-    from jaxrl_tools.checkpoint import Checkpointer
-    from jaxrl_tools.trainer import RLTrainer
+    """(model_cfg, params, tokenizer, step) of a run's checkpoint.
 
-    mesh = make_mesh(cfg)
-    tokenizer = setup_tokenizer(cfg)
-    model_cfg, params = setup_model(cfg, tokenizer, mesh)
-    reward = make_reward(cfg)
-    trainer = RLTrainer(cfg, model_cfg, params, None, reward, pad_id=0, mesh=mesh)
-    ckpt = Checkpointer(cfg.trainer.checkpoint_dir)
+    Raises:
+      ConfigError: no checkpoint folder or no checkpoint in it, no checkpoint of `step` (the
+        message lists the steps there), or a checkpoint of another model or algorithm; checked
+        before the model is built, and nothing is written.
+    """
+    directory = cfg.trainer.checkpoint_dir
+    if not Path(directory).is_dir():
+        raise ConfigError(
+            f"trainer.checkpoint_dir={directory} does not exist: train first, or set "
+            "trainer.checkpoint_dir to the run's checkpoint folder"
+        )
+    ckpt = Checkpointer(directory)
     try:
-        step, state, _ = ckpt.restore(trainer.checkpoint_state(), step)
+        steps = sorted(ckpt.all_steps())
+        if not steps:
+            raise ConfigError(
+                f"no checkpoints in trainer.checkpoint_dir={directory}: train first, or set "
+                "trainer.checkpoint_dir to the run's checkpoint folder"
+            )
+        if step is not None and step not in steps:
+            raise ConfigError(
+                f"--step {step}: there is no checkpoint of step {step} in {directory}; steps "
+                f"there: {', '.join(map(str, steps))}"
+            )
+        mesh = make_mesh(cfg)
+        tokenizer = setup_tokenizer(cfg)
+        model_cfg, params = setup_model(cfg, tokenizer, mesh)
+        trainer = make_trainer(cfg, model_cfg, params, mesh)
+        try:
+            step, state, _ = ckpt.restore(trainer.checkpoint_state(), step)
+        except ValueError as e:  # a checkpoint of another model shape or algorithm
+            raise ConfigError(f"{e}: check the config against the run's") from None
     finally:
         ckpt.close()
     return model_cfg, state["actor"].params, tokenizer, step
 
 
 def export(cfg: RunConfig, out: str, step: int | None = None) -> Path:
-    """Writes a checkpoint's policy as a Hugging Face folder (weights, config, tokenizer)."""
+    """Writes a checkpoint's policy as a Hugging Face folder (weights, config, tokenizer).
+
+    `out` must be new or an empty folder: nothing is overwritten.
+    """
+    check.check_new_output(out)
     model_cfg, params, tokenizer, step = restore_policy(cfg, step)
     models.save_pretrained(model_cfg, params, out)
     tokenizer.save_pretrained(out)
@@ -508,7 +381,6 @@ def export(cfg: RunConfig, out: str, step: int | None = None) -> Path:
 
 def evaluate_policy(cfg: RunConfig, *, from_checkpoint: bool, step: int | None = None) -> dict:
     """Held-out evaluation of `model.path` or of a run's checkpoint."""
-
     if from_checkpoint:
         model_cfg, params, tokenizer, _ = restore_policy(cfg, step)
     else:
@@ -516,13 +388,10 @@ def evaluate_policy(cfg: RunConfig, *, from_checkpoint: bool, step: int | None =
         model_cfg, params = setup_model(cfg, tokenizer, make_mesh(cfg))
     tools = setup_tools(cfg)
     try:
-        executor = make_executor(cfg, tools)
-        rollout = Rollout(cfg, make_engine(cfg, model_cfg, params, tokenizer), tokenizer, executor)
-        reward = make_reward(cfg)
-        return evaluate(cfg, rollout, params, eval_records(cfg), reward)
+        sampler = make_sampler(cfg, model_cfg, params, tokenizer, tools)
+        return run_eval(cfg, sampler, params, eval_records(cfg), make_reward(cfg))
     finally:
-        for tool in tools:
-            _close_tool(tool)
+        close_tools(tools)
 
 
 def sft_only(cfg: RunConfig, out: str) -> Path:
@@ -535,92 +404,17 @@ def sft_only(cfg: RunConfig, out: str) -> Path:
     return Path(out)
 
 
-# ---------------------------------------------------------------------------------- demo
-
-
-def _report_row(name: str, m: dict) -> str:
-    levels = sorted(k.split("/")[1] for k in m if k.startswith("level/") and k.endswith("/tool"))
-    by_level = ", ".join(
-        f"L{lv}: {m[f'level/{lv}/accuracy'] * 100:.0f}% / {m[f'level/{lv}/tool'] * 100:.0f}%"
-        for lv in levels
-    )
-    return (
-        f"| {name} | {m['reward/accuracy'] * 100:.1f}% | {m['tools/used_frac'] * 100:.1f}% | "
-        f"{m['tools/calls_per_response']:.2f} | {m['tools/error_rate']:.2f} | {by_level} |"
-    )
-
-
-def _productivity(m: dict) -> str:
-    """OTC's tool productivity: correct answers per tool call."""
-    calls = m["tools/calls_per_response"]
-    return f"{m['reward/accuracy'] / calls:.2f}" if calls else "n/a (no calls)"
-
-
-def demo_report(summary: dict, baseline: dict | None = None) -> str:
-    """The demo's report: the SFT policy vs the RL policy (and a baseline RL run) on held-out
-    problems."""
-    b, a = summary["before"], summary["after"]
-    acc_b, acc_a = b["reward/accuracy"] * 100, a["reward/accuracy"] * 100
-    tool_b, tool_a = b["tools/used_frac"] * 100, a["tools/used_frac"] * 100
-    name = f"SFT + RL ({summary['reward_name']})"
-    lines = [
-        f"# jaxrl-tools demo: {summary['run_name']}",
-        "",
-        f"Held-out problems: {a['num_problems']} ({summary['eval_desc']}, sandboxed Python tool).",
-        "",
-        "| policy | accuracy | responses calling the tool | tool calls / response | "
-        "tool error rate | by difficulty (accuracy / tool use) |",
-        "| --- | --- | --- | --- | --- | --- |",
-        _report_row("SFT (before RL)", b),
-    ]
-    if baseline is not None:
-        lines.append(_report_row(f"SFT + RL ({baseline['reward_name']})", baseline["after"]))
-    lines += [
-        _report_row(name, a),
-        "",
-        f"RL ({summary['reward_name']}) changed held-out accuracy by {acc_a - acc_b:+.1f} points "
-        f"({acc_b:.1f}% -> {acc_a:.1f}%) and the tool-call rate by {tool_a - tool_b:+.1f} points.",
-    ]
-    if baseline is not None:
-        base = baseline["after"]
-        calls, base_calls = a["tools/calls_per_response"], base["tools/calls_per_response"]
-        change = f" ({(calls / base_calls - 1) * 100:+.0f}%)" if base_calls else ""
-        lines.append(
-            f"Against RL with {baseline['reward_name']} from the same SFT policy: accuracy "
-            f"{(a['reward/accuracy'] - base['reward/accuracy']) * 100:+.1f} points, tool calls "
-            f"per response {calls:.2f} vs {base_calls:.2f}{change}, tool productivity (correct "
-            f"answers per tool call) {_productivity(a)} vs {_productivity(base)}."
-        )
-    lines += ["", "Examples after RL:"]
-    for ex in a.get("_examples", []):
-        lines.append(
-            f"- {ex['prompt']!r} -> {ex['response']!r} (answer {ex['ground_truth']}, "
-            f"score {ex['score']:g})"
-        )
-    if summary.get("plot"):
-        lines += ["", f"Training curves: {summary['plot']}"]
-    return "\n".join(lines) + "\n"
-
-
-def _reward_name(cfg: RunConfig) -> str:
-    return "+".join(r.name for r in cfg.reward)
-
-
 def demo(cfg: RunConfig, *, baseline_reward: str | None = None) -> dict:
     """SFT cold start, held-out eval, GRPO with the sandbox in the loop, held-out eval, report.
 
     With `baseline_reward` (e.g. "math"), a second RL run starts from the same SFT policy with
     only that reward, and the report compares the two (OTC vs plain GRPO).
     """
-    import dataclasses
-
-    from jaxrl_tools.config import RewardSpec
-
     t0 = time.perf_counter()
     summary = train(
         cfg, evaluate_before=True, evaluate_after=True, keep_init_params=baseline_reward is not None
     )
-    summary["reward_name"] = _reward_name(cfg)
+    summary["reward_name"] = "+".join(r.name for r in cfg.reward)
     r = cfg.rollout
     summary["eval_desc"] = (
         "greedy decoding"
@@ -648,13 +442,13 @@ def demo(cfg: RunConfig, *, baseline_reward: str | None = None) -> dict:
         )
         baseline["reward_name"] = baseline_reward
     summary["wall_time_s"] = time.perf_counter() - t0
-    report = demo_report(summary, baseline)
-    (out / "report.md").write_text(report)
+    text = report.demo_report(summary, baseline)
+    (out / "report.md").write_text(text)
     keep = lambda d: {k: v for k, v in d.items() if k not in _NOT_JSON}
     write_json(
         out / "report.json", {**keep(summary), "baseline": keep(baseline) if baseline else None}
     )
-    print(report)
+    print(text)
     print(f"(wall time {summary['wall_time_s']:.0f} s; report in {out / 'report.md'})")
     return summary
 

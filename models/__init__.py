@@ -6,6 +6,7 @@ with depth. All functions are pure; jit them with the (hashable) `ModelConfig` s
 
 from jaxrl_tools.models.cache import CACHE_AXES, KVCache, cache_axes, init_cache
 from jaxrl_tools.models.config import (
+    PARAM_DTYPES,
     SUPPORTED_MODEL_TYPES,
     ModelConfig,
     load_config,
@@ -27,6 +28,7 @@ from jaxrl_tools.models.transformer import (
 __all__ = [
     "CACHE_AXES",
     "KEY_TABLES",
+    "PARAM_DTYPES",
     "SUPPORTED_MODEL_TYPES",
     "Decoder",
     "KVCache",

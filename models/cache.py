@@ -4,6 +4,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxrl_tools.sharding import sharded_init
+
 CACHE_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
 
 
@@ -52,6 +54,4 @@ def init_cache(
     make = lambda: KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
     if mesh is None:
         return make()
-    from jaxrl_tools.sharding import sharded_init
-
     return sharded_init(make, cache_axes(), mesh, rules=rules)

@@ -11,7 +11,13 @@ import math
 import os
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+# Parameter / compute dtypes a policy may be loaded in, by config name (float16 has no loss
+# scaling here: not offered).
+PARAM_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 _ARCHITECTURES = {
@@ -286,8 +292,6 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
 
 def rope_inv_freq(config: ModelConfig):
     """Inverse rotary frequencies [head_dim // 2], float32 numpy, computed as transformers does."""
-    import numpy as np
-
     dim = config.head_dim
     inv_freq = (1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))).astype(
         np.float32

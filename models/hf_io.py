@@ -26,9 +26,11 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxrl_tools.models.config import ModelConfig, load_config
 from jaxrl_tools.models.transformer import Params, logical_axes, param_shapes
+from jaxrl_tools.sharding import tree_shardings
 
 log = logging.getLogger(__name__)
 
@@ -328,8 +330,6 @@ def from_pretrained(
 
     shardings = None
     if mesh is not None:
-        from jaxrl_tools.sharding import tree_shardings
-
         shardings = tree_shardings(logical_axes(config), mesh, rules, shapes=shapes)
 
     np_dtype = _np_dtype(dtype)
@@ -377,8 +377,6 @@ def _parse_size(size: int | str) -> int:
 def _to_host(x: jax.Array) -> np.ndarray:
     """The whole array on this host (gathered from the other processes when multi-host)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(jax.device_get(x))
 

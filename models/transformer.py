@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxrl_tools.models.cache import KVCache
 from jaxrl_tools.models.config import ModelConfig, rope_inv_freq
-from jaxrl_tools.sharding import constrain
+from jaxrl_tools.sharding import constrain, sharded_init
 
 Params = dict[str, Any]
 
@@ -329,8 +329,6 @@ def init_params(
 
     if mesh is None:
         return jax.jit(init)(rng)
-    from jaxrl_tools.sharding import sharded_init
-
     return sharded_init(init, logical_axes(config), mesh, rng, rules=rules)
 
 

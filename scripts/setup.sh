@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# Creates .venv with the project installed. torch (CPU build, the PyTorch reference side of the
-# parity tests) only with --test: it must be the local CPU build, installed before the test extra.
+# Creates a venv ($VENV, default .venv) with the project installed.
+#   scripts/setup.sh         the core install the README's demo runs in: no torch, no TensorFlow.
+#   scripts/setup.sh --test  adds the test and serve extras (pytest, ruff, torch, JetStream).
+# torch must be the local CPU build, installed before the test extra: `torch>=2.4` resolved by
+# pip alone would fetch a multi-GB CUDA build. JetStream stays out of the core install because
+# it pulls seqio -> TensorFlow (~2 GB) that training never imports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"  # CI builds a second, plain venv beside the test one (.ci/run)
 if ! command -v bwrap >/dev/null 2>&1; then
   # bubblewrap isolates model-written code (tools/); Debian/Ubuntu package.
   (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \
     || echo "warning: could not install bubblewrap; the Python tool will refuse to start" >&2
 fi
-[ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/pip install -q --upgrade pip
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/pip" install -q --upgrade pip
 if [ "${1:-}" = "--test" ]; then
-  .venv/bin/pip install -q torch==2.13.0
-  .venv/bin/pip install -q -e '.[test]'
+  "$VENV/bin/pip" install -q torch==2.13.0
+  "$VENV/bin/pip" install -q -e '.[test,serve]'
 else
-  .venv/bin/pip install -q -e .
+  "$VENV/bin/pip" install -q -e .
 fi

@@ -15,8 +15,12 @@ def initialize_distributed() -> bool:
 
     Reads JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (all three, or none). On
     clusters that JAX detects by itself (TPU pods, SLURM, Open MPI) set JAXRL_DISTRIBUTED=auto.
-    Returns True when the distributed runtime was started, False on a single process.
+    Returns True when the distributed runtime was started (now or by an earlier call), False on
+    a single process. Calling it again is harmless (`check.preflight` calls it before it counts
+    the devices, and `run.train` after).
     """
+    if jax.distributed.is_initialized():
+        return True
     given = {k: os.environ[k] for k in _ENV if os.environ.get(k)}
     if os.environ.get("JAXRL_DISTRIBUTED") == "auto":
         jax.distributed.initialize()

@@ -4,7 +4,6 @@ Importable both by pytest (tests/ is on sys.path) and by test files run as scrip
 subprocess (for 8 simulated devices).
 """
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -12,6 +11,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+from jaxrl_tools.types import Span, Trajectory
 
 VOCAB = 64
 
@@ -44,21 +45,6 @@ def run_on_8_devices(script: str, out_dir: Path, timeout: int) -> dict:
     return json.loads((out_dir / "report.json").read_text())
 
 
-@dataclasses.dataclass
-class FakeTrajectory:
-    """What the trainer reads of a rollout's Trajectory."""
-
-    prompt_ids: list
-    response_ids: list
-    loss_mask: list
-    logprobs: list
-    response_text: str
-    tool_calls: tuple = ()
-    num_tool_calls: int = 0
-    num_turns: int = 1
-    finish_reason: str = "eos"
-
-
 def tiny_model_config(intermediate_size: int = 64):
     """Qwen2, 2 layers, hidden 32, 4 heads / 2 kv heads, tied: divides the 2x2x2 and 1x4x2
     meshes under DEFAULT_RULES."""
@@ -78,7 +64,7 @@ def tiny_model_config(intermediate_size: int = 64):
     )
 
 
-def fixed_trajectories(seed: int = 0) -> list[FakeTrajectory]:
+def fixed_trajectories(seed: int = 0) -> list[Trajectory]:
     """Two groups of four; in each, responses 0 and 1 are 'correct' (text with the answer 7)."""
     rng = np.random.default_rng(seed)
     out = []
@@ -90,5 +76,6 @@ def fixed_trajectories(seed: int = 0) -> list[FakeTrajectory]:
             mask = [1] * n
             mask[2] = mask[3] = 0  # an observation inside the response
             text = "\\boxed{7}" if j < 2 else "\\boxed{8}"
-            out.append(FakeTrajectory(prompt, resp, mask, [0.0] * n, text))
+            spans = [Span("model", 0, 2), Span("observation", 2, 4), Span("model", 4, n)]
+            out.append(Trajectory(g, j, prompt, resp, mask, [0.0] * n, spans, response_text=text))
     return out

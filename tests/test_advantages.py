@@ -24,8 +24,17 @@ from jaxrl_tools.algorithms import (
 # float32 against a float64 oracle. Normalising by the std of groups as small as 2 amplifies
 # rounding: over 300 random batches GiGPO's step-level advantages differ by up to 2e-5.
 RTOL, ATOL = 5e-5, 5e-5
-ALL = ["drgrpo", "gae", "gigpo", "grpo", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo",
-       "vapo"]
+ALL = [
+    "drgrpo",
+    "gae",
+    "gigpo",
+    "grpo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "remax",
+    "rloo",
+    "vapo",
+]
 
 # ------------------------------------------------------------------ NumPy oracles (loops)
 
@@ -34,7 +43,7 @@ def np_group_norm(scores, G, norm_by_std, eps=1e-6):
     scores = np.asarray(scores, np.float64)
     out = np.zeros_like(scores)
     for g0 in range(0, len(scores), G):
-        grp = scores[g0:g0 + G]
+        grp = scores[g0 : g0 + G]
         if G == 1:
             mu, sd = 0.0, 1.0
         else:
@@ -164,9 +173,19 @@ def oracle(name, d, cfg):
         ac = np_gae(r, v, m, cfg.gamma, cfg.critic_lam)
         return (np_whiten(a, m) if cfg.whiten else a * m), (ac + v) * m
     if name == "gigpo":
-        a = np_gigpo(s, d["step_rewards_BS"], d["step_mask_BS"], d["anchor_ids_BS"],
-                     d["token_step_BT"], m, G, cfg.norm_by_std, cfg.eps, cfg.step_gamma,
-                     cfg.gigpo_omega)
+        a = np_gigpo(
+            s,
+            d["step_rewards_BS"],
+            d["step_mask_BS"],
+            d["anchor_ids_BS"],
+            d["token_step_BT"],
+            m,
+            G,
+            cfg.norm_by_std,
+            cfg.eps,
+            cfg.step_gamma,
+            cfg.gigpo_omega,
+        )
         return a, a
     raise KeyError(name)
 
@@ -200,17 +219,28 @@ def to_inputs(d):
 
 
 def make_config(name, G):
-    return AdvantageConfig(group_size=G, gamma=0.9 if name in ("gae", "vapo", "reinforce_pp",
-                                                               "remax") else 1.0,
-                           lam=0.8, kl_beta=0.05, step_gamma=0.95, gigpo_omega=0.7)
+    return AdvantageConfig(
+        group_size=G,
+        gamma=0.9 if name in ("gae", "vapo", "reinforce_pp", "remax") else 1.0,
+        lam=0.8,
+        kl_beta=0.05,
+        step_gamma=0.95,
+        gigpo_omega=0.7,
+    )
 
 
 # group-free estimators (token returns, GAE) need one group size only
 GROUPED = ["drgrpo", "grpo", "reinforce_pp_baseline", "rloo"]
-CASES = [(f"{n}_G{G}", n, G) for n in GROUPED for G in (1, 3)] + [
-    (f"{n}_G2", n, 2) for n in ALL if n not in GROUPED] + [
-    ("grpo_nostd_G4", "grpo_nostd", 4), ("gae_nowhiten_G2", "gae_nowhiten", 2),
-    ("vapo_nowhiten_G2", "vapo_nowhiten", 2), ("gigpo_nostd_G4", "gigpo_nostd", 4)]
+CASES = (
+    [(f"{n}_G{G}", n, G) for n in GROUPED for G in (1, 3)]
+    + [(f"{n}_G2", n, 2) for n in ALL if n not in GROUPED]
+    + [
+        ("grpo_nostd_G4", "grpo_nostd", 4),
+        ("gae_nowhiten_G2", "gae_nowhiten", 2),
+        ("vapo_nowhiten_G2", "vapo_nowhiten", 2),
+        ("gigpo_nostd_G4", "gigpo_nostd", 4),
+    ]
+)
 
 
 class AdvantageOracleTest(chex.TestCase):
@@ -252,10 +282,12 @@ class PropertyTest(chex.TestCase):
         rng = np.random.default_rng(0)
         s1, s2 = rng.normal(size=(2, 12)).astype(np.float32)
         cfg = AdvantageConfig(group_size=4)
-        f = self.variant(lambda s: compute_advantages(
-            "drgrpo", to_inputs(dict(d, scores_B=s)), cfg)[0])
-        np.testing.assert_allclose(f(2.0 * s1 - 0.5 * s2), 2.0 * f(s1) - 0.5 * f(s2),
-                                   rtol=1e-5, atol=1e-5)
+        f = self.variant(
+            lambda s: compute_advantages("drgrpo", to_inputs(dict(d, scores_B=s)), cfg)[0]
+        )
+        np.testing.assert_allclose(
+            f(2.0 * s1 - 0.5 * s2), 2.0 * f(s1) - 0.5 * f(s2), rtol=1e-5, atol=1e-5
+        )
 
     @parameterized.parameters("grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "gigpo")
     def test_identical_rewards_zero_advantage(self, name):
@@ -265,7 +297,8 @@ class PropertyTest(chex.TestCase):
         d["step_mask_BS"] = np.ones_like(d["step_mask_BS"])
         d["anchor_ids_BS"] = np.tile(np.arange(4, dtype=np.int32), (12, 1))  # same state per step
         a, _ = jax.jit(lambda x: compute_advantages(name, x, AdvantageConfig(group_size=4)))(
-            to_inputs(d))
+            to_inputs(d)
+        )
         np.testing.assert_allclose(a, 0.0, atol=1e-6)
 
     def test_rloo_sums_to_zero_in_group(self):
@@ -315,7 +348,8 @@ class ErrorTest(chex.TestCase):
         d = make_data(0, 2, 5)  # B = 10
         with pytest.raises(ValueError, match="batch size 10 is not a multiple of group_size 4"):
             jax.jit(lambda x: compute_advantages("grpo", x, AdvantageConfig(group_size=4)))(
-                to_inputs(d))
+                to_inputs(d)
+            )
 
     def test_mismatched_shapes(self):
         d = make_data(0, 2, 2)
@@ -331,8 +365,11 @@ class ErrorTest(chex.TestCase):
         d = make_data(0, 2, 2)
         d["baseline_B"] = None
         with pytest.raises(ValueError, match="'remax' needs AdvantageInputs.baseline_B"):
-            compute_advantages("remax", AdvantageInputs(**{k: v for k, v in d.items()}),
-                               AdvantageConfig(group_size=2))
+            compute_advantages(
+                "remax",
+                AdvantageInputs(**{k: v for k, v in d.items()}),
+                AdvantageConfig(group_size=2),
+            )
 
     def test_bad_config(self):
         with pytest.raises(ValueError, match="group_size"):

@@ -30,6 +30,7 @@ def run_config(tmp_path_factory):
             "chunk_size": 8,
             "slots": 8,
         },
+        "tools": [{"class": "python", "config": {"n_workers": 1}}],
         "algorithm": {"kl_coef": 0.0},
         "reward": [{"name": "math", "kwargs": {"correct": 1.0, "wrong": 0.0}}],
         "optim": {"lr": 1e-3, "micro_batch_size": 8},
@@ -68,7 +69,7 @@ def test_export_loads_in_transformers(run_config):
     from transformers import AutoModelForCausalLM
 
     from jaxrl_tools import run
-    from jaxrl_tools.config import load_config
+    from jaxrl_tools.config_loader import load_config
 
     d, path = run_config
     out = d / "hf"
@@ -90,8 +91,24 @@ def test_config_errors_name_the_key(run_config, capsys):
     assert main(["train", "--config", str(path), "optim.lrr=1e-3"]) == 2
     err = capsys.readouterr().err
     assert "optim.lrr" in err and "did you mean 'lr'" in err
+    # The README's `--section.key value` form reaches the config (argparse does not eat it).
+    assert main(["train", "--config", str(path), "--optim.lrr", "1e-3"]) == 2
+    assert "did you mean 'lr'" in capsys.readouterr().err
     assert main(["train", "--config", "no_such_recipe"]) == 2
     assert "grpo_tool_math" in capsys.readouterr().err
+
+
+def test_export_of_a_missing_step_lists_the_steps(run_config, capsys):
+    d, path = run_config
+    out = d / "not_written"
+    assert main(["export", "--config", str(path), "--out", str(out), "--step", "7"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"jaxrl-tools: --step 7: there is no checkpoint of step 7 in {d / 'ckpt'}; steps there: "
+        "1, 2"
+    )
+    assert not out.exists()
 
 
 def test_demo_compares_with_a_baseline_reward(run_config, capsys):

@@ -6,13 +6,8 @@ import os
 
 import pytest
 
-from jaxrl_tools.config import (
-    ConfigError,
-    RunConfig,
-    config_from_dict,
-    load_config,
-    save_config,
-)
+from jaxrl_tools.config import ConfigError, RunConfig
+from jaxrl_tools.config_loader import config_from_dict, load_config, save_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -113,7 +108,13 @@ def test_wrong_type_names_field(tmp_path):
         ("algorithm.loss_agg_mode=mean", "algorithm.loss_agg_mode"),
         ("rollout.top_p=0", "rollout.top_p"),
         ("trainer.mesh=2x2", "trainer.mesh"),
-        ("algorithm.adv_estimator=gae", "critic.enabled must be true"),
+        ("algorithm.adv_estimator=gae", "needs a critic (critic.enabled: true)"),
+        ("algorithm.adv_estimator=gigpo", "needs multi-turn environment steps (not built yet)"),
+        ("algorithm.adv_estimator=remax", "needs a greedy baseline rollout per prompt"),
+        ("rollout.protocol=ragen", "rollout.protocol='ragen' is not one of"),
+        ("model.dtype=float16", "model.dtype='float16' is not one of"),
+        ("tools.0.config.n_wokers=2", "did you mean 'n_workers'"),
+        ("tools.0.cls=pyhton", "tools[0].cls: unknown tool class 'pyhton'"),
         ("reward.0.name=mathh", "reward[0].name"),
         ("model.tiny.num_key_value_heads=3", "model.tiny.num_attention_heads"),
         ("tokenizer.path=null", "tokenizer.path must be set"),
@@ -146,3 +147,31 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         load_config(DEMO, ["optim.lr"])
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_configs_build_their_tools(path):
+    """Every recipe's tools are built from its config (no worker pool, no index started)."""
+    from jaxrl_tools.tools import PythonTool, SearchTool, create_tool
+
+    for spec in load_config(path).tools:
+        tool = create_tool(spec.cls, dict(spec.config))
+        assert tool.schema()["function"]["name"]
+        if isinstance(tool, PythonTool):
+            assert tool._pool is None
+        if isinstance(tool, SearchTool):
+            assert tool._index is None
+
+
+def test_kl_in_reward_needs_an_estimator_with_token_rewards():
+    with pytest.raises(ConfigError, match="has no token rewards to fold the KL into"):
+        load_config(DEMO, ["algorithm.kl_in_reward=true", "algorithm.kl_coef=0.01"])
+    cfg = load_config(
+        DEMO,
+        [
+            "algorithm.kl_in_reward=true",
+            "algorithm.kl_coef=0.01",
+            "algorithm.adv_estimator=reinforce_pp",
+        ],
+    )
+    assert cfg.algorithm.kl_coef == 0.01

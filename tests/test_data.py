@@ -13,10 +13,10 @@ from jaxrl_tools.data import (
     PromptLoader,
     RecordSource,
     loader_from_config,
-    render_prompt,
-    select_tools,
 )
-from jaxrl_tools.tokenizer import build_tokenizer, python_tool_schema
+from jaxrl_tools.demo.tokenizer import build_tokenizer
+from jaxrl_tools.prompts import render_prompt, select_tools
+from jaxrl_tools.tools import PythonTool
 
 
 def _write_jsonl(path, rows):
@@ -150,7 +150,7 @@ def test_loader_from_config(tmp_path):
 
 
 def test_render_prompt_with_tools(tok):
-    schema = python_tool_schema()
+    schema = PythonTool.default_schema()
     rec = {"prompt": "What is 2 * 3?", "tools": ["python"]}
     text = render_prompt(tok, rec, [schema], "Use tools.")
     assert text.startswith("<|im_start|>system\nUse tools.\n\n# Tools")
@@ -167,7 +167,7 @@ def test_render_prompt_with_tools(tok):
 
 
 def test_select_tools():
-    s = python_tool_schema()
+    s = PythonTool.default_schema()
     assert select_tools(None, [s]) == [s]
     assert select_tools(["python"], {"python": s}) == [s]
     assert select_tools([], [s]) is None

@@ -44,8 +44,7 @@ class LogprobTest(chex.TestCase):
     def test_plain_matches_numpy(self, temperature):
         h, W, tgt, m = make(0)
         logits = h @ W
-        logp = self.variant(lambda *a: token_logprobs(*a, temperature=temperature))(
-            logits, tgt, m)
+        logp = self.variant(lambda *a: token_logprobs(*a, temperature=temperature))(logits, tgt, m)
         ent = self.variant(lambda *a: token_entropy(*a, temperature=temperature))(logits, m)
         chex.assert_shape([logp, ent], tgt.shape)
         chex.assert_type([logp, ent], jnp.float32)
@@ -79,6 +78,7 @@ class LogprobTest(chex.TestCase):
             def f(h, W):
                 lp, en = fn(h, W)
                 return jnp.sum(lp * ch) + 0.3 * jnp.sum(en * ch)
+
             return f
 
         lp, en = self.variant(chunked)(h, W)
@@ -93,7 +93,11 @@ class LogprobTest(chex.TestCase):
         # a masked position's hidden state gets exactly zero gradient
         assert np.all(np.asarray(g[0])[m == 0] == 0)
         np.testing.assert_allclose(
-            jax.jit(chunked_token_logprobs, static_argnames='chunk_size')(h, W, tgt, m, chunk_size=chunk), lp)
+            jax.jit(chunked_token_logprobs, static_argnames="chunk_size")(
+                h, W, tgt, m, chunk_size=chunk
+            ),
+            lp,
+        )
 
     def test_chunked_memory_bound(self):
         """value_and_grad of the chunked version needs < 1/4 of the plain one's temp memory."""
@@ -124,9 +128,11 @@ class LogprobTest(chex.TestCase):
 
     def test_bad_shapes(self):
         h, W, tgt, m = make(3)
-        with pytest.raises(ValueError, match="W_DV shape"):
+        with pytest.raises(ValueError, match="W_DV has shape"):
             chunked_token_logprobs(h, W[:-1], tgt, m)
-        with pytest.raises(ValueError, match="targets_BT shape"):
+        with pytest.raises(ValueError, match="targets_BT has shape"):
             token_logprobs(h @ W, tgt[:, :-1], m)
-        with pytest.raises(ValueError, match="loss_mask_BT shape"):
+        with pytest.raises(ValueError, match="loss_mask_BT has shape"):
             chunked_token_logprobs(h, W, tgt, m[:1])
+        with pytest.raises(ValueError, match="targets_BT has dtype float32"):
+            token_logprobs(h @ W, tgt.astype(np.float32), m)

@@ -192,11 +192,14 @@ def test_cache_chunks_at_explicit_positions_rows_of_different_lengths(loaded):
     # Nothing was written past each row's last position.
     for b, n in enumerate(lens):
         assert not np.asarray(cache.k[:, b, n + 5 :]).any()
+
     # A prefill that asks only for each row's last logits gets those, and the same cache.
     def prefill(**kwargs):
         fresh = M.init_cache(config, 3, 20)
         tokens, positions, valid_BT = jnp.asarray(prompt), jnp.asarray(ppos), jnp.asarray(valid)
-        return M.forward_cached(config, params, tokens, positions, fresh, valid_BT=valid_BT, **kwargs)
+        return M.forward_cached(
+            config, params, tokens, positions, fresh, valid_BT=valid_BT, **kwargs
+        )
 
     last_BV, cache_last = prefill(logits_at_B=jnp.asarray(lens) - 1)
     _, cache_full = prefill()

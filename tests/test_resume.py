@@ -1,10 +1,13 @@
-"""A run killed with SIGKILL and resumed reaches the same params and metrics as one that was not.
+"""A run killed with SIGKILL, or stopped with SIGTERM, and resumed reaches the same params and
+metrics as one that was not, and its log reads as one run.
 
 `jaxrl_tools.run.train` runs in subprocesses (this file executed as a script: `python
 tests/test_resume.py CONFIG_JSON OUT_DIR`): once uninterrupted, once killed as soon as its first
 checkpoint is on disk (async saves may be cut mid-write) and then started again with
 `trainer.resume`. The resumed run must restore the policy, optimizer state, RNG, the data
-iterator's position and the rollout call counter (the rollout's sampling seeds) exactly.
+iterator's position and the rollout call counter (the rollout's sampling seeds) exactly. A third
+run goes through the CLI and gets SIGTERM (a preempted host) after its first logged step: it
+must finish that step, save it (between the periodic checkpoints) and exit with one line.
 
 A tiny random policy, no tools (a random model does not call them; the rollout's tool path has
 its own tests) and a reward that varies with the sampled text, so that GRPO's advantages are not
@@ -115,10 +118,9 @@ def runs(tmp_path_factory):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL, err.decode()[-4000:]
     resumed_from = _finished_steps(ckpt)[-1]
-    logged_before = len(_records(tmp / "killed" / "logs"))
     resumed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    return tmp, resumed_from, logged_before
+    return tmp, resumed_from, resumed.stderr
 
 
 def test_killed_mid_run(runs):
@@ -126,11 +128,12 @@ def test_killed_mid_run(runs):
     assert EVERY <= resumed_from < STEPS
 
 
-def test_resumed_run_continues_from_its_checkpoint(runs):
-    tmp, resumed_from, logged_before = runs
-    records = _records(tmp / "killed" / "logs")
-    after = [r["step"] for r in records[logged_before:]]
-    assert after == list(range(resumed_from + 1, STEPS + 1))
+def test_resumed_log_reads_as_one_run(runs):
+    """No step twice in metrics.jsonl (steps logged after the last checkpoint are dropped and
+    redone), the progress bar starts at the resumed step."""
+    tmp, resumed_from, stderr = runs
+    assert [r["step"] for r in _records(tmp / "killed" / "logs")] == list(range(1, STEPS + 1))
+    assert f"{resumed_from}/{STEPS}" in stderr
 
 
 def test_resumed_params_equal_uninterrupted(runs):
@@ -146,10 +149,10 @@ def test_resumed_params_equal_uninterrupted(runs):
 
 
 def test_resumed_metrics_equal_uninterrupted(runs):
-    tmp, resumed_from, logged_before = runs
+    tmp, resumed_from, _ = runs
     skip = ("step", "time", "time/", "throughput/")
     full = {r["step"]: r for r in _records(tmp / "full" / "logs")}
-    resumed = _records(tmp / "killed" / "logs")[logged_before:]
+    resumed = [r for r in _records(tmp / "killed" / "logs") if r["step"] > resumed_from]
     assert resumed
     for r in resumed:
         ref = full[r["step"]]
@@ -157,6 +160,39 @@ def test_resumed_metrics_equal_uninterrupted(runs):
         assert keys == {k for k in r if not k.startswith(skip)}
         for k in sorted(keys):
             assert r[k] == pytest.approx(ref[k], rel=1e-6, abs=1e-7), (r["step"], k)
+
+
+def test_sigterm_saves_the_step_and_exits_with_one_line(runs):
+    tmp, _, _ = runs
+    cfg = _config(tmp, "term")
+    cfg["trainer"]["checkpoint_every"] = STEPS  # no periodic checkpoint before the signal's
+    cfg_path = tmp / "term.json"
+    cfg_path.write_text(json.dumps(cfg))
+    cli = [sys.executable, "-m", "jaxrl_tools.cli", "train", "--config", str(cfg_path)]
+    env = _env()
+    proc = subprocess.Popen(cli, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    log = tmp / "term" / "logs" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        if log.exists() and log.read_text().strip():
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    err = err.decode()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-4000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("jaxrl-tools: stopped by SIGTERM after step ") and "--resume" in last
+    assert "Traceback" not in err
+    stopped = int(last.split("after step ")[1].split(";")[0])
+    assert stopped < STEPS and _finished_steps(tmp / "term" / "ckpt") == [stopped]
+    done = subprocess.run(cli + ["--resume"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert [r["step"] for r in _records(tmp / "term" / "logs")] == list(range(1, STEPS + 1))
+    # the summary printed at the end is the uninterrupted run's
+    full = {r["step"]: r for r in _records(tmp / "full" / "logs")}
+    term = {r["step"]: r for r in _records(tmp / "term" / "logs")}
+    assert term[STEPS]["reward/mean"] == pytest.approx(full[STEPS]["reward/mean"], rel=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -167,7 +203,7 @@ def _main(config_path: str, out_dir: str) -> None:
     import jax
 
     from jaxrl_tools import run
-    from jaxrl_tools.config import config_from_dict
+    from jaxrl_tools.config_loader import config_from_dict
 
     cfg = config_from_dict(json.loads(Path(config_path).read_text()))
     out = Path(out_dir)

@@ -73,8 +73,11 @@ def wait_until(pred, timeout=3.0):
 
 # --------------------------------------------------------------------------- basics
 def test_worker_identity_and_basic_run(pool):
-    res = run(pool, "import os, numpy, sympy; print(os.getuid(), numpy.arange(4).sum(), "
-                    "sympy.integrate(sympy.Symbol('x'), sympy.Symbol('x')))")
+    res = run(
+        pool,
+        "import os, numpy, sympy; print(os.getuid(), numpy.arange(4).sum(), "
+        "sympy.integrate(sympy.Symbol('x'), sympy.Symbol('x')))",
+    )
     assert res.ok, res
     uid, s, integral = res.stdout.split()
     assert uid != "0" and s == "6" and integral == "x**2/2"
@@ -103,8 +106,10 @@ def test_tcp_to_host_listener_fails(pool):
     srv.listen(5)
     srv.settimeout(0.3)
     port = srv.getsockname()[1]
-    code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-            "s.sendall(b'pwned')\nprint('connected')")
+    code = (
+        f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+        "s.sendall(b'pwned')\nprint('connected')"
+    )
     res = run(pool, code)
     assert not res.ok and "connected" not in res.stdout
     with pytest.raises(TimeoutError):
@@ -118,8 +123,10 @@ def test_udp_to_host_listener_fails(pool):
     srv.bind(("127.0.0.1", 0))
     srv.settimeout(0.3)
     port = srv.getsockname()[1]
-    code = ("import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
-            f"s.sendto(b'pwned', ('127.0.0.1', {port}))\nprint('sent')")
+    code = (
+        "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        f"s.sendto(b'pwned', ('127.0.0.1', {port}))\nprint('sent')"
+    )
     res = run(pool, code)
     assert not res.ok and "sent" not in res.stdout
     with pytest.raises(TimeoutError):
@@ -131,13 +138,20 @@ def test_udp_to_host_listener_fails(pool):
 # --------------------------------------------------------------------------- filesystem
 def test_writes_outside_workdir_fail(pool):
     tag = uuid.uuid4().hex
-    targets = [f"/root/pwned_{tag}", f"/tmp/pwned_{tag}", f"/dev/shm/pwned_{tag}",
-               f"/work/pwned_{tag}", f"{os.path.dirname(os.__file__)}/pwned_{tag}"]
-    code = (f"import os\nok = []\nfor p in {targets!r}:\n"
-            "    try:\n        open(p, 'w').write('x'); ok.append(p)\n"
-            "    except OSError:\n        pass\n"
-            "open('inside.txt', 'w').write('fine')\n"
-            "print('WROTE', ok, os.path.exists('inside.txt'))")
+    targets = [
+        f"/root/pwned_{tag}",
+        f"/tmp/pwned_{tag}",
+        f"/dev/shm/pwned_{tag}",
+        f"/work/pwned_{tag}",
+        f"{os.path.dirname(os.__file__)}/pwned_{tag}",
+    ]
+    code = (
+        f"import os\nok = []\nfor p in {targets!r}:\n"
+        "    try:\n        open(p, 'w').write('x'); ok.append(p)\n"
+        "    except OSError:\n        pass\n"
+        "open('inside.txt', 'w').write('fine')\n"
+        "print('WROTE', ok, os.path.exists('inside.txt'))"
+    )
     res = run(pool, code)
     assert res.ok, res
     assert "WROTE [] True" in res.stdout
@@ -157,15 +171,17 @@ def test_secret_file_and_env_not_readable(pool, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text(SECRET)
     os.chmod(secret, 0o600)
-    code = (f"import os, glob\nout = []\ntry:\n    out.append(open({str(secret)!r}).read())\n"
-            "except OSError as e:\n    out.append(type(e).__name__)\n"
-            "out.append(repr(dict(os.environ)))\n"
-            "for p in glob.glob('/proc/*/environ'):\n"
-            "    try:\n        out.append(open(p, 'rb').read().decode(errors='replace'))\n"
-            "    except OSError:\n        pass\n"
-            "for p in ['/root/.bashrc', '/etc/shadow', '/etc/passwd']:\n"
-            "    try:\n        out.append(open(p).read())\n    except OSError:\n        pass\n"
-            "print('\\n'.join(out))")
+    code = (
+        f"import os, glob\nout = []\ntry:\n    out.append(open({str(secret)!r}).read())\n"
+        "except OSError as e:\n    out.append(type(e).__name__)\n"
+        "out.append(repr(dict(os.environ)))\n"
+        "for p in glob.glob('/proc/*/environ'):\n"
+        "    try:\n        out.append(open(p, 'rb').read().decode(errors='replace'))\n"
+        "    except OSError:\n        pass\n"
+        "for p in ['/root/.bashrc', '/etc/shadow', '/etc/passwd']:\n"
+        "    try:\n        out.append(open(p).read())\n    except OSError:\n        pass\n"
+        "print('\\n'.join(out))"
+    )
     res = run(pool, code)
     assert res.ok, res
     assert SECRET not in res.stdout and SECRET not in res.stderr
@@ -212,13 +228,15 @@ def test_print_100mb_is_capped(pool):
 
 def test_background_process_does_not_outlive_call(pool):
     marker = "bgmarker" + uuid.uuid4().hex
-    code = ("import os, subprocess, sys, time\n"
-            f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1000) # {marker}'],"
-            " start_new_session=True)\n"
-            f"subprocess.Popen(['/bin/sh', '-c', 'sleep 1000; echo {marker}'])\n"
-            "if os.fork() == 0:\n    os.setsid()\n"
-            f"    os.execv('/bin/sh', ['/bin/sh', '-c', 'sleep 999 # {marker}'])\n"
-            "time.sleep(0.3)\nprint('spawned')")
+    code = (
+        "import os, subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1000) # {marker}'],"
+        " start_new_session=True)\n"
+        f"subprocess.Popen(['/bin/sh', '-c', 'sleep 1000; echo {marker}'])\n"
+        "if os.fork() == 0:\n    os.setsid()\n"
+        f"    os.execv('/bin/sh', ['/bin/sh', '-c', 'sleep 999 # {marker}'])\n"
+        "time.sleep(0.3)\nprint('spawned')"
+    )
     res = run(pool, code)
     assert res.ok and "spawned" in res.stdout, res
     assert wait_until(lambda: not host_procs_with(marker)), host_procs_with(marker)
@@ -226,12 +244,15 @@ def test_background_process_does_not_outlive_call(pool):
 
 
 # --------------------------------------------------------------------------- the parent
-@pytest.mark.parametrize("attack", [
-    "import os\nos.kill(os.getppid(), 9)",
-    "import os\nos.kill(-1, 9)",
-    "import subprocess\nsubprocess.run('kill -9 -1', shell=True)",
-    "import os, signal\nos.killpg(os.getpgid(os.getppid()), signal.SIGKILL)",
-])
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "import os\nos.kill(os.getppid(), 9)",
+        "import os\nos.kill(-1, 9)",
+        "import subprocess\nsubprocess.run('kill -9 -1', shell=True)",
+        "import os, signal\nos.killpg(os.getpgid(os.getppid()), signal.SIGKILL)",
+    ],
+)
 def test_killing_the_parent_fails(pool, attack):
     pids_before = pool.worker_pids()
     res = run(pool, attack + "\nprint('alive')")
@@ -241,10 +262,12 @@ def test_killing_the_parent_fails(pool, attack):
 
 
 def test_ctypes_libc_is_contained(pool):
-    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-            "print(libc.socket(2, 1, 0), libc.socket(10, 2, 0), libc.kill(os.getppid(), 9),"
-            " libc.setuid(0), libc.unshare(0x10000000), libc.ptrace(0, 0, 0, 0),"
-            " libc.mount(b'none', b'/tmp', b'tmpfs', 0, None))")
+    code = (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.socket(2, 1, 0), libc.socket(10, 2, 0), libc.kill(os.getppid(), 9),"
+        " libc.setuid(0), libc.unshare(0x10000000), libc.ptrace(0, 0, 0, 0),"
+        " libc.mount(b'none', b'/tmp', b'tmpfs', 0, None))"
+    )
     res = run(pool, code)
     assert res.ok, res
     assert res.stdout.split() == ["-1"] * 7, res.stdout
@@ -310,9 +333,16 @@ def test_stateless_mode_forgets(pool):
 
 
 def test_sandbox_fusion_shape(pool):
-    ok = pool_mod.run_code_sync({"code": "print(input()[::-1])", "language": "python",
-                                 "stdin": "abc", "run_timeout": 2, "memory_limit_MB": 256},
-                                pool)
+    ok = pool_mod.run_code_sync(
+        {
+            "code": "print(input()[::-1])",
+            "language": "python",
+            "stdin": "abc",
+            "run_timeout": 2,
+            "memory_limit_MB": 256,
+        },
+        pool,
+    )
     assert ok["status"] == "Success"
     assert ok["run_result"]["status"] == "Finished" and ok["run_result"]["stdout"] == "cba\n"
     assert ok["run_result"]["return_code"] == 0
@@ -335,8 +365,9 @@ def test_concurrent_calls_and_metrics(pool):
 # --------------------------------------------------------------------------- fail-closed
 def test_missing_bwrap_refuses_to_start(monkeypatch):
     real = sandbox_mod.shutil.which
-    monkeypatch.setattr(sandbox_mod.shutil, "which",
-                        lambda name: None if name == "bwrap" else real(name))
+    monkeypatch.setattr(
+        sandbox_mod.shutil, "which", lambda name: None if name == "bwrap" else real(name)
+    )
     with pytest.raises(SandboxUnavailableError, match="apt-get install -y bubblewrap"):
         SandboxPool(1, SandboxConfig())
 
@@ -372,19 +403,24 @@ def test_pool_threads_do_not_block_event_loop(pool):
 def test_worker_cgroups_bound_many_forked_allocations():
     if os.geteuid() != 0 or not sandbox_mod.make_cgroups("probe", SandboxConfig()):
         pytest.skip("needs root and memory/pids cgroups")
-    sandbox_mod.remove_cgroups([d for d in Path("/sys/fs/cgroup").glob("*/jaxrl_tools/probe")]
-                               + [Path("/sys/fs/cgroup/jaxrl_tools/probe")])
-    p = SandboxPool(1, SandboxConfig(timeout_s=3.0, memory_mb=512, worker_memory_mb=400,
-                                     preload=("math",)))
+    sandbox_mod.remove_cgroups(
+        [d for d in Path("/sys/fs/cgroup").glob("*/jaxrl_tools/probe")]
+        + [Path("/sys/fs/cgroup/jaxrl_tools/probe")]
+    )
+    p = SandboxPool(
+        1, SandboxConfig(timeout_s=3.0, memory_mb=512, worker_memory_mb=400, preload=("math",))
+    )
     try:
         cg = Path(f"/proc/{p.worker_pids()[0]}/cgroup").read_text()
         assert "jaxrl_tools/" in cg
         # 6 children x 300 MB each fit their own 512 MB rlimit but not the worker's 400 MB.
-        code = ("import os, time\nkids = []\nfor _ in range(6):\n    pid = os.fork()\n"
-                "    if pid == 0:\n        b = b'x' * (300 * 2**20)\n        time.sleep(1)\n"
-                "        os._exit(0)\n    kids.append(pid)\n"
-                "codes = [os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) for k in kids]\n"
-                "print(codes)")
+        code = (
+            "import os, time\nkids = []\nfor _ in range(6):\n    pid = os.fork()\n"
+            "    if pid == 0:\n        b = b'x' * (300 * 2**20)\n        time.sleep(1)\n"
+            "        os._exit(0)\n    kids.append(pid)\n"
+            "codes = [os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) for k in kids]\n"
+            "print(codes)"
+        )
         res = p.run_sync(code)
         assert not (res.ok and res.stdout.strip() == "[0, 0, 0, 0, 0, 0]"), res
         assert wait_until(lambda: p._idle.qsize() == 1, timeout=10)
@@ -402,9 +438,11 @@ def test_http_front_speaks_sandbox_fusion(pool):
     t.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/run_code"
-        req = urllib.request.Request(url, data=json.dumps({"code": "print(sum(range(5)))",
-                                                           "language": "python"}).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            url,
+            data=json.dumps({"code": "print(sum(range(5)))", "language": "python"}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=10) as r:
             out = json.loads(r.read())
         assert out["status"] == "Success" and out["run_result"]["stdout"] == "10\n"

@@ -3,8 +3,8 @@
 A tiny random policy cannot call a tool by itself, so an engine logits hook scripts what each
 slot samples (per slot: a ReTool `<code>` call of the problem's expression, then a boxed answer,
 right or wrong); the sandboxed Python tool really runs the code and its output is appended as
-an observation. Everything after the sampler is the real library: `run.Rollout`, rewards,
-`RLTrainer` (old log-probs, advantages, critic, jitted updates).
+an observation. Everything after the sampler is the real library: `rollout.Sampler`, rewards,
+`make_batch`, `RLTrainer` (old log-probs, advantages, critic, jitted updates).
 """
 
 import dataclasses
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from jaxrl_tools import algorithms, models, run
-from jaxrl_tools.config import config_from_dict
-from jaxrl_tools.engine import EngineCore
-from jaxrl_tools.rewards import CompositeReward
-from jaxrl_tools.tokenizer import build_tokenizer
-from jaxrl_tools.trainer import RLTrainer, pack_trajectories
+from jaxrl_tools.config_loader import config_from_dict
+from jaxrl_tools.demo.tokenizer import build_tokenizer
+from jaxrl_tools.rollout import EngineCore, Sampler
+from jaxrl_tools.tools import ToolExecutor
+from jaxrl_tools.train.batch import make_batch, pack_trajectories, score_trajectories
 
 G = 4
 RECORDS = [
@@ -31,21 +31,29 @@ SCRIPT_LEN = 64
 
 def _config(**algorithm):
     critic = algorithm.pop("critic", {})
-    return config_from_dict({
-        "tokenizer": {"path": "unused"},
-        "data": {"batch_size": len(RECORDS)},
-        "rollout": {
-            "protocol": "retool", "group_size": G, "max_prompt_len": 64, "max_response_len": 64,
-            "max_tool_calls": 1, "max_turns": 3, "chunk_size": 8, "slots": 8,
-            "max_obs_tokens": 16,
-        },
-        "tools": [{"class": "python", "config": {"mode": "stateless", "n_workers": 1}}],
-        "algorithm": {"kl_coef": 0.0, **algorithm},
-        "critic": critic,
-        "reward": [{"name": "math", "kwargs": {"correct": 1.0, "wrong": 0.0}}],
-        "optim": {"lr": 1e-3, "micro_batch_size": 4, "weight_decay": 0.0},
-        "trainer": {"steps": 2, "seed": 1},
-    })
+    return config_from_dict(
+        {
+            "tokenizer": {"path": "unused"},
+            "data": {"batch_size": len(RECORDS)},
+            "rollout": {
+                "protocol": "retool",
+                "group_size": G,
+                "max_prompt_len": 64,
+                "max_response_len": 64,
+                "max_tool_calls": 1,
+                "max_turns": 3,
+                "chunk_size": 8,
+                "slots": 8,
+                "max_obs_tokens": 16,
+            },
+            "tools": [{"class": "python", "config": {"mode": "stateless", "n_workers": 1}}],
+            "algorithm": {"kl_coef": 0.0, **algorithm},
+            "critic": critic,
+            "reward": [{"name": "math", "kwargs": {"correct": 1.0, "wrong": 0.0}}],
+            "optim": {"lr": 1e-3, "micro_batch_size": 4, "weight_decay": 0.0},
+            "trainer": {"steps": 2, "seed": 1},
+        }
+    )
 
 
 def forcing_hook(logits_BV, sampled_B, script_BK):
@@ -74,45 +82,74 @@ def _scripts(tok) -> np.ndarray:
 def setup(tmp_path_factory):
     tok = build_tokenizer(tmp_path_factory.mktemp("tok") / "t", vocab_size=300)
     model_cfg = models.ModelConfig(
-        model_type="qwen2", vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        tie_word_embeddings=True, attention_bias=True,
-        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id,
+        model_type="qwen2",
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.pad_token_id,
     )
     cfg = _config()
     tools = run.setup_tools(cfg)
-    from jaxrl_tools.tools import ToolExecutor
-
     executor = ToolExecutor(tools, max_concurrency=4, timeout_s=10.0)
     engine = EngineCore(
-        model_cfg, None, slots=8, max_len=128, max_prefill_length=64, tokenizer=tok,
-        logits_hook=forcing_hook, hook_data=jnp.asarray(_scripts(tok)),
+        model_cfg,
+        None,
+        slots=8,
+        max_len=128,
+        max_prefill_length=64,
+        tokenizer=tok,
+        logits_hook=forcing_hook,
+        hook_data=jnp.asarray(_scripts(tok)),
     )
     yield tok, model_cfg, engine, executor
-    for tool in tools:
-        run._close_tool(tool)
+    run.close_tools(tools)
+
+
+class _Trainer:
+    """The RL loop's four lines: sampler -> make_batch -> RLTrainer.step (records given)."""
+
+    def __init__(self, cfg, setup, seed=0):
+        tok, model_cfg, engine, executor = setup
+        params = models.init_params(model_cfg, jax.random.key(seed))
+        self.init = jax.tree.map(np.array, params)
+        self.cfg, self.pad_id = cfg, tok.pad_token_id or 0
+        self.sample = Sampler(engine, tok, executor, cfg.rollout, seed=cfg.trainer.seed)
+        self.rl = run.make_trainer(cfg, model_cfg, params)
+        self.reward = run.make_reward(cfg)
+        self.captured = []
+
+    def step(self, records):
+        trajs = self.sample(records, G, self.rl.params)
+        self.captured.append(trajs)
+        batch = make_batch(
+            records,
+            trajs,
+            self.reward,
+            self.cfg.algorithm.filters,
+            group_size=G,
+            rows=self.rl.rows,
+            pad_id=self.pad_id,
+        )
+        return self.rl.step(batch)
 
 
 def _trainer(cfg, setup, seed=0):
-    tok, model_cfg, engine, executor = setup
-    params = models.init_params(model_cfg, jax.random.key(seed))
-    captured = []
-    rollout = run.Rollout(cfg, engine, tok, executor)
-
-    def rollout_fn(records, group_size, params):
-        trajs = rollout(records, group_size, params)
-        captured.append(trajs)
-        return trajs
-
-    reward = CompositeReward([(s.name, s.weight, s.kwargs) for s in cfg.reward])
-    init = jax.tree.map(np.array, params)
-    trainer = RLTrainer(cfg, model_cfg, params, rollout_fn, reward, pad_id=tok.pad_token_id or 0)
-    return trainer, init, captured
+    t = _Trainer(cfg, setup, seed)
+    return t, t.init, t.captured
 
 
 def _max_change(a, b) -> float:
-    return max(float(np.abs(np.asarray(x) - y).max()) for x, y in zip(jax.tree.leaves(a),
-                                                                       jax.tree.leaves(b)))
+    return max(
+        float(np.abs(np.asarray(x) - y).max())
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +167,7 @@ def test_grpo_steps_with_the_sandbox(grpo, setup):
         assert m["reward/accuracy"] == pytest.approx(0.5)
         assert m["tools/calls_per_response"] == pytest.approx(0.75)
         assert m["tools/error_rate"] == 0.0
-    assert _max_change(trainer.params, init) > 1e-4
+    assert _max_change(trainer.rl.params, init) > 1e-4
     # The sandbox really ran the code: its output is in the observation, which is not trained on.
     t = captured[0][G]  # prompt 1, sample 0
     obs = [s for s in t.spans if s.kind != "model"]
@@ -145,13 +182,15 @@ def test_objective_has_zero_gradient_at_masked_tokens(grpo):
     """Through the real packed batch: d loss / d logp (and entropy) is 0 wherever mask is 0,
     even where old log-probs and advantages are not (observation and padding tokens)."""
     trainer, _, captured, _ = grpo
-    b = {k: jnp.asarray(v) for k, v in
-         pack_trajectories(captured[-1], pad_id=0, rows=trainer.rows).items()}
-    logp, ent = trainer._logprobs(trainer.params, b)
+    b = {
+        k: jnp.asarray(v)
+        for k, v in pack_trajectories(captured[-1], pad_id=0, rows=trainer.rl.rows).items()
+    }
+    logp, ent = trainer.rl._logprobs(trainer.rl.params, b)
     rng = np.random.default_rng(0)
     old = logp + jnp.asarray(0.1 * rng.standard_normal(logp.shape), jnp.float32)
     adv = jnp.asarray(rng.standard_normal(logp.shape), jnp.float32)
-    pcfg = dataclasses.replace(trainer.pcfg, entropy_coef=0.01)
+    pcfg = dataclasses.replace(trainer.rl.pcfg, entropy_coef=0.01)
 
     def loss(lp, e):
         return algorithms.policy_loss(pcfg, lp, old, adv, b["loss_mask"], entropy_BT=e).loss
@@ -168,8 +207,8 @@ def ppo(setup):
     cfg = _config(adv_estimator="gae", lam=0.95, critic={"enabled": True, "lr": 1e-3})
     trainer, init, captured = _trainer(cfg, setup)
     # The updates donate the state: keep copies to start again from it.
-    start = jax.tree.map(jnp.copy, (trainer.state, trainer.critic_state))
-    critic_init = jax.tree.map(np.array, trainer.critic_state.params)
+    start = jax.tree.map(jnp.copy, (trainer.rl.state, trainer.rl.critic_state))
+    critic_init = jax.tree.map(np.array, trainer.rl.critic_state.params)
     metrics = [trainer.step(RECORDS) for _ in range(2)]
     return trainer, init, critic_init, start, captured, metrics
 
@@ -179,8 +218,8 @@ def test_ppo_with_critic_steps_with_the_sandbox(ppo):
     for m in metrics:
         assert np.isfinite(m["actor/loss"]) and np.isfinite(m["critic/loss"])
         assert m["tools/calls_per_response"] == pytest.approx(0.75)
-    assert _max_change(trainer.params, init) > 1e-4
-    assert _max_change(trainer.critic_state.params, critic_init) > 1e-4
+    assert _max_change(trainer.rl.params, init) > 1e-4
+    assert _max_change(trainer.rl.critic_state.params, critic_init) > 1e-4
 
 
 def test_a_masked_final_token_changes_nothing(ppo):
@@ -190,12 +229,38 @@ def test_a_masked_final_token_changes_nothing(ppo):
     results = []
     for token in (5, 6):
         trajs = [
-            dataclasses.replace(t, response_ids=t.response_ids + [token],
-                                loss_mask=t.loss_mask + [0], logprobs=t.logprobs + [0.0])
+            dataclasses.replace(
+                t,
+                response_ids=t.response_ids + [token],
+                loss_mask=t.loss_mask + [0],
+                logprobs=t.logprobs + [0.0],
+            )
             for t in captured[0]
         ]
-        trainer.state, trainer.critic_state = jax.tree.map(jnp.copy, start)
-        trainer.rollout = lambda r, g, p, trajs=trajs: trajs
-        trainer.step(RECORDS)
-        results.append(jax.tree.map(np.array, (trainer.params, trainer.critic_state.params)))
+        rl = trainer.rl
+        rl.state, rl.critic_state = jax.tree.map(jnp.copy, start)
+        rl.step(
+            make_batch(
+                RECORDS,
+                trajs,
+                trainer.reward,
+                trainer.cfg.algorithm.filters,
+                group_size=G,
+                rows=rl.rows,
+                pad_id=0,
+            )
+        )
+        results.append(jax.tree.map(np.array, (rl.params, rl.critic_state.params)))
     jax.tree.map(np.testing.assert_array_equal, results[0], results[1])
+
+
+def test_retool_reward_counts_turns_as_verl_does(grpo):
+    """From real sandbox rollouts: verl's ReTool reward gives a wrong answer without a tool call
+    exactly -1 (prompt + one model turn = 2 turns), and one with a call (prompt, model, tool,
+    model = 4 turns) -1 + 0.1, capped at -0.6; right answers +1."""
+    _, _, captured, _ = grpo
+    reward = run.make_reward(_config())
+    retool = type(reward)([("retool", 1.0, {})])
+    scores, _ = score_trajectories(retool, RECORDS, captured[0], G)
+    # per prompt: call + right, call + right, wrong without a call, call + wrong
+    np.testing.assert_allclose(scores, [1.0, 1.0, -1.0, -0.9] * len(RECORDS), atol=1e-6)

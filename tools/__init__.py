@@ -3,7 +3,8 @@
 Public API (see each module's docstring):
   Observation, Tool, register_tool, create_tool, load_tools_yaml, TOOL_REGISTRY,
   truncate_middle, last_traceback_line                       (base)
-  ToolCall, ParseResult, get_parser + the parser classes      (parsers)
+  ToolCall, ParseResult, get_parser + the parser classes,
+  read_tool_calls (the lenient <tool_call> reader of rewards) (parsers)
   ToolExecutor, validate_arguments                            (executor)
   SandboxConfig, SandboxUnavailableError, check_isolation     (sandbox)
   SandboxPool, ExecResult, run_code, run_code_sync, make_http_server (pool; Sandbox Fusion)
@@ -18,12 +19,14 @@ from jaxrl_tools.tools.base import (
     last_traceback_line,
     load_tools_yaml,
     register_tool,
+    tool_class,
     truncate_middle,
 )
 from jaxrl_tools.tools.calculator import CalculatorError, CalculatorTool, safe_eval
 from jaxrl_tools.tools.executor import ToolExecutor, validate_arguments
 from jaxrl_tools.tools.functions import FunctionTool, function_tool
 from jaxrl_tools.tools.parsers import (
+    PARSERS,
     Parser,
     ParseResult,
     QwenParser,
@@ -32,6 +35,7 @@ from jaxrl_tools.tools.parsers import (
     ToolCall,
     ToRLParser,
     get_parser,
+    read_tool_calls,
 )
 from jaxrl_tools.tools.pool import (
     ExecResult,
@@ -45,11 +49,42 @@ from jaxrl_tools.tools.sandbox import SandboxConfig, SandboxUnavailableError, ch
 from jaxrl_tools.tools.search import BM25Index, SearchTool, format_passages
 
 __all__ = [
-    "TOOL_REGISTRY", "BM25Index", "CalculatorError", "CalculatorTool", "ExecResult",
-    "FunctionTool", "Observation", "ParseResult", "Parser", "PythonTool", "QwenParser",
-    "ReToolParser", "SandboxConfig", "SandboxPool", "SandboxUnavailableError", "SearchR1Parser",
-    "SearchTool", "ToRLParser", "Tool", "ToolCall", "ToolExecutor", "check_isolation",
-    "create_tool", "format_passages", "function_tool", "get_parser", "last_traceback_line",
-    "load_tools_yaml", "make_http_server", "register_tool", "run_code", "run_code_sync",
-    "safe_eval", "truncate_middle", "validate_arguments",
+    "PARSERS",
+    "TOOL_REGISTRY",
+    "BM25Index",
+    "CalculatorError",
+    "CalculatorTool",
+    "ExecResult",
+    "FunctionTool",
+    "Observation",
+    "ParseResult",
+    "Parser",
+    "PythonTool",
+    "QwenParser",
+    "ReToolParser",
+    "SandboxConfig",
+    "SandboxPool",
+    "SandboxUnavailableError",
+    "SearchR1Parser",
+    "SearchTool",
+    "ToRLParser",
+    "Tool",
+    "ToolCall",
+    "ToolExecutor",
+    "check_isolation",
+    "create_tool",
+    "format_passages",
+    "function_tool",
+    "get_parser",
+    "last_traceback_line",
+    "load_tools_yaml",
+    "make_http_server",
+    "register_tool",
+    "tool_class",
+    "run_code",
+    "run_code_sync",
+    "read_tool_calls",
+    "safe_eval",
+    "truncate_middle",
+    "validate_arguments",
 ]

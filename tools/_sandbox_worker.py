@@ -14,6 +14,7 @@ single file, the jaxrl_tools package is not visible there.
 
 import ctypes
 import errno
+import gc
 import json
 import os
 import resource
@@ -43,8 +44,9 @@ _SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1, 2
 
 def landlock_abi() -> int:
     """Landlock ABI version of the running kernel (0 if unsupported)."""
-    abi = _libc.syscall(_SYS_CREATE_RULESET, None, ctypes.c_size_t(0),
-                        ctypes.c_uint32(_RULESET_VERSION))
+    abi = _libc.syscall(
+        _SYS_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(_RULESET_VERSION)
+    )
     return max(int(abi), 0)
 
 
@@ -65,8 +67,9 @@ def landlock_rules(abi: int, read_paths, write_dirs, write_files) -> list[tuple[
     read_dir = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
     file_bits = _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | (_FS_TRUNCATE if abi >= 3 else 0)
     wanted = [(p, read_dir) for p in read_paths] + [(p, handled) for p in write_dirs]
-    wanted += [(p, _FS_WRITE_FILE | _FS_READ_FILE | (_FS_TRUNCATE if abi >= 3 else 0))
-               for p in write_files]
+    wanted += [
+        (p, _FS_WRITE_FILE | _FS_READ_FILE | (_FS_TRUNCATE if abi >= 3 else 0)) for p in write_files
+    ]
     rules = []
     for path, access in wanted:
         try:
@@ -91,8 +94,16 @@ def apply_landlock(abi: int, rules: list[tuple[int, int]]) -> None:
     try:
         for fd, access in rules:
             rule = ctypes.create_string_buffer(struct.pack("<Qi", access, fd), 12)
-            if _libc.syscall(_SYS_ADD_RULE, ctypes.c_int(rfd), ctypes.c_int(_RULE_PATH_BENEATH),
-                             rule, ctypes.c_uint32(0)) < 0:
+            if (
+                _libc.syscall(
+                    _SYS_ADD_RULE,
+                    ctypes.c_int(rfd),
+                    ctypes.c_int(_RULE_PATH_BENEATH),
+                    rule,
+                    ctypes.c_uint32(0),
+                )
+                < 0
+            ):
                 raise OSError(ctypes.get_errno(), f"landlock_add_rule failed (fd {fd})")
         if _libc.syscall(_SYS_RESTRICT_SELF, ctypes.c_int(rfd), ctypes.c_uint32(0)) < 0:
             raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
@@ -102,16 +113,58 @@ def apply_landlock(abi: int, rules: list[tuple[int, int]]) -> None:
 
 # --- seccomp ------------------------------------------------------------------------------
 _DENY_SYSCALLS = (
-    "ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root",
-    "chroot", "unshare", "setns", "bpf", "perf_event_open", "kexec_load", "kexec_file_load",
-    "init_module", "finit_module", "delete_module", "keyctl", "add_key", "request_key",
-    "userfaultfd", "swapon", "swapoff", "reboot", "acct", "quotactl", "io_uring_setup",
-    "io_uring_enter", "io_uring_register", "open_by_handle_at", "name_to_handle_at",
-    "fsopen", "fsmount", "fsconfig", "move_mount", "open_tree", "mount_setattr",
-    "settimeofday", "clock_settime", "adjtimex", "syslog", "vhangup", "personality",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "unshare",
+    "setns",
+    "bpf",
+    "perf_event_open",
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "userfaultfd",
+    "swapon",
+    "swapoff",
+    "reboot",
+    "acct",
+    "quotactl",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "fsopen",
+    "fsmount",
+    "fsconfig",
+    "move_mount",
+    "open_tree",
+    "mount_setattr",
+    "settimeofday",
+    "clock_settime",
+    "adjtimex",
+    "syslog",
+    "vhangup",
+    "personality",
 )
-_CLONE_NS_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
-                   0x40000000)
+_CLONE_NS_FLAGS = (
+    0x00020000,
+    0x02000000,
+    0x04000000,
+    0x08000000,
+    0x10000000,
+    0x20000000,
+    0x40000000,
+)
 
 
 class _SockFprog(ctypes.Structure):
@@ -136,7 +189,7 @@ class CompiledSeccomp:
 def build_seccomp_filter():
     """Builds the per-snippet seccomp filter as compiled BPF; None if pyseccomp is missing."""
     try:
-        import pyseccomp as sc
+        import pyseccomp as sc  # noqa: PLC0415 - optional: reported, and the host fails closed
     except Exception:  # noqa: BLE001 -- reported in the hello message, host fails closed
         return None
     f = sc.SyscallFilter(defaction=sc.ALLOW)
@@ -179,7 +232,7 @@ def _send(fd: int, obj) -> None:
     data = json.dumps(obj).encode()
     data = struct.pack(">I", len(data)) + data
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
 class _Capture:
@@ -199,7 +252,7 @@ class _Capture:
             b = b[room:]
         if b:
             self.tail += b
-            del self.tail[:-self.half]
+            del self.tail[: -self.half]
 
     def text(self) -> str:
         head = self.head.decode("utf-8", "replace")
@@ -215,8 +268,11 @@ class Worker:
         self.abi = landlock_abi()
         self.seccomp = build_seccomp_filter()
         self.read_paths = cfg["read_paths"]
-        self.static_rules = landlock_rules(self.abi, self.read_paths + ["/proc", "/dev"], [],
-                                           ["/dev/null"]) if self.abi >= 1 else []
+        self.static_rules = (
+            landlock_rules(self.abi, self.read_paths + ["/proc", "/dev"], [], ["/dev/null"])
+            if self.abi >= 1
+            else []
+        )
         self.base_vm = _vm_size()
         self.devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         self.to_delete: list[str] = []
@@ -225,10 +281,16 @@ class Worker:
         self.base = tempfile.mkdtemp(prefix="sbx_", dir="/tmp")
 
     def hello(self) -> dict:
-        return {"ok": True, "uid": os.getuid(), "euid": os.geteuid(), "pid": os.getpid(),
-                "landlock_abi": self.abi, "seccomp": self.seccomp is not None,
-                "net_ifaces": sorted(n for _, n in socket.if_nameindex()),
-                "base_vm_mb": self.base_vm // 2**20}
+        return {
+            "ok": True,
+            "uid": os.getuid(),
+            "euid": os.geteuid(),
+            "pid": os.getpid(),
+            "landlock_abi": self.abi,
+            "seccomp": self.seccomp is not None,
+            "net_ifaces": sorted(n for _, n in socket.if_nameindex()),
+            "base_vm_mb": self.base_vm // 2**20,
+        }
 
     def serve(self) -> None:
         _send(self.out_fd, self.hello())
@@ -242,8 +304,13 @@ class Worker:
             try:
                 resp = self.run(req)
             except Exception as e:  # noqa: BLE001 -- the worker must keep serving
-                resp = {"status": "SandboxError", "stdout": "", "stderr": f"worker error: {e!r}",
-                        "return_code": None, "execution_time": 0.0}
+                resp = {
+                    "status": "SandboxError",
+                    "stdout": "",
+                    "stderr": f"worker error: {e!r}",
+                    "return_code": None,
+                    "execution_time": 0.0,
+                }
             _send(self.out_fd, resp)
             for d in self.to_delete:  # cleanup off the caller's critical path
                 _rmtree(d)
@@ -261,8 +328,13 @@ class Worker:
             path = os.path.normpath(os.path.join(workdir, rel))
             if not path.startswith(workdir + os.sep):
                 shutil.rmtree(workdir, ignore_errors=True)
-                return {"status": "SandboxError", "stdout": "", "stderr": f"bad file path {rel!r}",
-                        "return_code": None, "execution_time": 0.0}
+                return {
+                    "status": "SandboxError",
+                    "stdout": "",
+                    "stderr": f"bad file path {rel!r}",
+                    "return_code": None,
+                    "execution_time": 0.0,
+                }
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as fh:
                 fh.write(bytes.fromhex(data))
@@ -299,8 +371,9 @@ class Worker:
             if left <= 0:
                 timed_out = True
                 break
-            ready, _, _ = select.select(open_fds + ([] if exited else [pidfd]), [], [],
-                                        0.0 if exited else left)
+            ready, _, _ = select.select(
+                open_fds + ([] if exited else [pidfd]), [], [], 0.0 if exited else left
+            )
             if exited and not ready:
                 break  # child gone and its pipes drained (a leftover may still hold them)
             for fd in ready:
@@ -320,15 +393,20 @@ class Worker:
         status_code = _wait(pid, max(deadline - time.monotonic(), 0.0) + 0.5)
         elapsed = time.monotonic() - t0
         # Nothing may outlive the call: kill every process of this pid namespace but us.
-        _kill_all_others(bool(self.cfg.get('own_pid_namespace')))
+        _kill_all_others(bool(self.cfg.get("own_pid_namespace")))
         os.close(out_r)
         os.close(err_r)
         os.close(pidfd)
         self.to_delete.append(workdir)
         stdout, stderr = caps[out_r].text(), caps[err_r].text()
         if status_code is None:  # unkillable?! report and let the host replace us
-            return {"status": "SandboxError", "stdout": stdout, "stderr": "child did not exit",
-                    "return_code": None, "execution_time": elapsed}
+            return {
+                "status": "SandboxError",
+                "stdout": stdout,
+                "stderr": "child did not exit",
+                "return_code": None,
+                "execution_time": elapsed,
+            }
         rc = os.waitstatus_to_exitcode(status_code)
         if timed_out or rc == -signal.SIGXCPU:
             status = "TimeLimitExceeded"
@@ -339,8 +417,14 @@ class Worker:
             status = "Error"  # replay of the session's earlier snippets failed
         else:
             status = "Finished"
-        return {"status": status, "stdout": stdout, "stderr": stderr, "return_code": rc,
-                "execution_time": elapsed, "output_bytes": caps[out_r].total + caps[err_r].total}
+        return {
+            "status": status,
+            "stdout": stdout,
+            "stderr": stderr,
+            "return_code": rc,
+            "execution_time": elapsed,
+            "output_bytes": caps[out_r].total + caps[err_r].total,
+        }
 
     def _child(self, req, workdir, stdin_path, out_w, err_w, timeout, replay) -> None:
         os.setpgid(0, 0)
@@ -348,8 +432,9 @@ class Worker:
         os.dup2(fd_in, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        rules = self.static_rules + landlock_rules(self.abi, [], [workdir], []) \
-            if self.abi >= 1 else []
+        rules = (
+            self.static_rules + landlock_rules(self.abi, [], [workdir], []) if self.abi >= 1 else []
+        )
         keep = sorted(fd for fd, _ in rules)
         lo = 3
         for fd in keep:  # close everything inherited from the worker but the rule fds
@@ -389,8 +474,9 @@ class Worker:
         for i, cell in enumerate(replay):  # session mode: rebuild state, output suppressed
             ns = _run_code(cell, f"<cell {i + 1}>", quiet=True, ns=ns)
             if not isinstance(ns, dict):
-                sys.stderr.write("SessionReplayError: an earlier cell of this session failed "
-                                 "when replayed\n")
+                sys.stderr.write(
+                    "SessionReplayError: an earlier cell of this session failed when replayed\n"
+                )
                 sys.stderr.flush()
                 os._exit(121)
         ok = _run_code(req["code"], "<snippet>", quiet=False, ns=ns)
@@ -562,8 +648,6 @@ def main() -> None:
             __import__(mod)
         except Exception:  # noqa: BLE001 -- a missing optional module only costs speed
             pass
-    import gc
-
     gc.collect()
     gc.freeze()  # preloaded objects never scanned by a child's GC: fewer copy-on-write faults
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)

@@ -6,20 +6,50 @@ import ast
 import math
 import operator
 
-from jaxrl_tools.tools.base import Observation, Tool, register_tool
+from jaxrl_tools.tools.base import (
+    Observation,
+    Tool,
+    clean_text,
+    format_int,
+    register_tool,
+    safe_repr,
+)
 
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
-           ast.Pow: operator.pow}
+_BINOPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNOPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-_FUNCS = {"sqrt": math.sqrt, "sin": math.sin, "cos": math.cos, "tan": math.tan,
-          "asin": math.asin, "acos": math.acos, "atan": math.atan, "log": math.log,
-          "log2": math.log2, "log10": math.log10, "exp": math.exp, "abs": abs, "round": round,
-          "floor": math.floor, "ceil": math.ceil, "factorial": math.factorial, "gcd": math.gcd,
-          "min": min, "max": max}
+_FUNCS = {
+    "sqrt": math.sqrt,
+    "sin": math.sin,
+    "cos": math.cos,
+    "tan": math.tan,
+    "asin": math.asin,
+    "acos": math.acos,
+    "atan": math.atan,
+    "log": math.log,
+    "log2": math.log2,
+    "log10": math.log10,
+    "exp": math.exp,
+    "abs": abs,
+    "round": round,
+    "floor": math.floor,
+    "ceil": math.ceil,
+    "factorial": math.factorial,
+    "gcd": math.gcd,
+    "min": min,
+    "max": max,
+}
 _CONSTS = {"pi": math.pi, "e": math.e, "tau": math.tau}
 MAX_INT_BITS = 4096
 MAX_FACTORIAL = 500
+MAX_ROUND_DIGITS = 10000  # round(5, -10**12) would build 10**(10**12)
 
 
 class CalculatorError(ValueError):
@@ -35,20 +65,27 @@ def safe_eval(expression: str, max_int_bits: int = MAX_INT_BITS) -> int | float:
     `max_int_bits` bits (so 9**9**9 is refused before it is computed).
 
     Raises:
-      CalculatorError: with a message that names the offending part.
+      CalculatorError: with a message that names the offending part; nothing else, whatever
+        `expression` holds (deep nesting, null characters, unpaired surrogates included).
     """
     if len(expression) > 1000:
         raise CalculatorError("expression longer than 1000 characters")
+    if clean_text(expression) != expression:
+        raise CalculatorError("expression holds an unpaired UTF-16 surrogate (invalid unicode)")
+    if "\x00" in expression:
+        raise CalculatorError("invalid expression: null character")
     try:
         tree = ast.parse(expression.replace("^", "**").strip(), mode="eval")
+        return _eval(tree.body, max_int_bits)
     except SyntaxError as e:
         raise CalculatorError(f"invalid expression: {e.msg}") from None
-    return _eval(tree.body, max_int_bits)
+    except (RecursionError, MemoryError):
+        raise CalculatorError("expression nested too deeply") from None
 
 
 def _check(x, max_bits):
     if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise CalculatorError(f"unsupported value {x!r}")
+        raise CalculatorError(f"unsupported value {safe_repr(x)}")
     if isinstance(x, int) and x.bit_length() > max_bits:
         raise CalculatorError(f"result too large (more than {max_bits} bits)")
     return x
@@ -79,14 +116,25 @@ def _eval(node, max_bits):
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.keywords:
         fn = _FUNCS.get(node.func.id)
         if fn is None:
-            raise CalculatorError(f"unknown function {node.func.id!r}; allowed: "
-                                  f"{', '.join(sorted(_FUNCS))}")
+            raise CalculatorError(
+                f"unknown function {node.func.id!r}; allowed: {', '.join(sorted(_FUNCS))}"
+            )
         args = [_eval(a, max_bits) for a in node.args]
-        if fn is math.factorial and (len(args) != 1 or not isinstance(args[0], int)
-                                     or args[0] > MAX_FACTORIAL):
+        if fn is math.factorial and (
+            len(args) != 1 or not isinstance(args[0], int) or args[0] > MAX_FACTORIAL
+        ):
             raise CalculatorError(f"factorial needs one integer <= {MAX_FACTORIAL}")
+        if (
+            fn is round
+            and len(args) == 2
+            and isinstance(args[1], int)
+            and abs(args[1]) > MAX_ROUND_DIGITS
+        ):
+            raise CalculatorError(f"round: ndigits must be within +-{MAX_ROUND_DIGITS}")
         try:
             return _check(fn(*args), max_bits)
+        except ZeroDivisionError:  # log(x, 1)
+            raise CalculatorError(f"{node.func.id}: division by zero") from None
         except (ValueError, TypeError, OverflowError) as e:
             raise CalculatorError(f"{node.func.id}: {e}") from None
     raise CalculatorError(f"unsupported syntax: {type(node).__name__}")
@@ -104,7 +152,7 @@ def format_number(x: int | float) -> str:
     """Integers exactly; floats with 12 significant digits (integral floats without '.0')."""
     if isinstance(x, float) and x.is_integer() and abs(x) < 1e15:
         return str(int(x))
-    return str(x) if isinstance(x, int) else format(x, ".12g")
+    return format_int(x) if isinstance(x, int) else format(x, ".12g")
 
 
 @register_tool("calculator")
@@ -112,15 +160,23 @@ class CalculatorTool(Tool):
     """Evaluates an arithmetic expression safely (see `safe_eval`)."""
 
     name = "calculator"
-    description = ("Evaluate an arithmetic expression, e.g. '(3 + 4) * sqrt(2) / 7'. Supports "
-                   "+ - * / // % ** and sqrt, sin, cos, tan, log, exp, factorial, pi, e.")
-    parameters = {"type": "object",
-                  "properties": {"expression": {"type": "string",
-                                                "description": "The expression to evaluate."}},
-                  "required": ["expression"]}
+    description = (
+        "Evaluate an arithmetic expression, e.g. '(3 + 4) * sqrt(2) / 7'. Supports "
+        "+ - * / // % ** and sqrt, sin, cos, tan, log, exp, factorial, pi, e."
+    )
+    parameters = {
+        "type": "object",
+        "properties": {
+            "expression": {"type": "string", "description": "The expression to evaluate."}
+        },
+        "required": ["expression"],
+    }
 
     async def _call(self, arguments: dict, session_id: str | None) -> Observation:
+        expression = arguments.get("expression")
+        if not isinstance(expression, str):
+            return Observation.error("Error: 'expression' must be a string, e.g. \"2 * (3 + 4)\"")
         try:
-            return Observation(format_number(safe_eval(str(arguments["expression"]))))
+            return Observation(format_number(safe_eval(expression)))
         except CalculatorError as e:
             return Observation.error(f"Error: {e}")

@@ -5,12 +5,25 @@ from __future__ import annotations
 import asyncio
 import time
 
-from jaxrl_tools.tools.base import Observation, Tool
+from jaxrl_tools.tools.base import (
+    Observation,
+    Tool,
+    checked_observation,
+    describe_exception,
+    json_value_error,
+    safe_repr,
+    truncate_middle,
+)
 from jaxrl_tools.tools.parsers import ToolCall
 
 _TYPES = {
-    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
-    "array": (list, tuple), "object": (dict,), "null": (type(None),),
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list, tuple),
+    "object": (dict,),
+    "null": (type(None),),
 }
 
 
@@ -37,15 +50,17 @@ def validate_arguments(arguments, schema: dict, path: str = "arguments") -> str 
                 ok = True
                 break
         if not ok:
-            return f"{path} must be of type {' or '.join(tlist)}, got " \
-                   f"{_json_type(arguments)} ({_short(arguments)})"
+            return (
+                f"{path} must be of type {' or '.join(tlist)}, got "
+                f"{_json_type(arguments)} ({_short(arguments)})"
+            )
     if "enum" in schema and arguments not in schema["enum"]:
         return f"{path} must be one of {schema['enum']}, got {_short(arguments)}"
     if isinstance(arguments, (int, float)) and not isinstance(arguments, bool):
         if "minimum" in schema and arguments < schema["minimum"]:
-            return f"{path} must be >= {schema['minimum']}, got {arguments}"
+            return f"{path} must be >= {schema['minimum']}, got {_short(arguments)}"
         if "maximum" in schema and arguments > schema["maximum"]:
-            return f"{path} must be <= {schema['maximum']}, got {arguments}"
+            return f"{path} must be <= {schema['maximum']}, got {_short(arguments)}"
     if isinstance(arguments, str):
         if "minLength" in schema and len(arguments) < schema["minLength"]:
             return f"{path} must have at least {schema['minLength']} characters"
@@ -57,7 +72,7 @@ def validate_arguments(arguments, schema: dict, path: str = "arguments") -> str 
             if req not in arguments:
                 return f"missing required argument {_join(path, req)!r}"
         if schema.get("additionalProperties") is False:
-            extra = sorted(set(arguments) - set(props))
+            extra = sorted(set(arguments) - set(props), key=str)
             if extra:
                 return f"unknown argument {_join(path, extra[0])!r}; expected: {sorted(props)}"
         for k, v in arguments.items():
@@ -73,21 +88,28 @@ def validate_arguments(arguments, schema: dict, path: str = "arguments") -> str 
     return None
 
 
-def _join(path: str, key: str) -> str:
+def _join(path: str, key) -> str:
+    key = truncate_middle(key, 60) if isinstance(key, str) else safe_repr(key)
     return key if path == "arguments" else f"{path}.{key}"
 
 
 def _json_type(x) -> str:
-    for name, py in (("boolean", bool), ("integer", int), ("number", float), ("string", str),
-                     ("array", (list, tuple)), ("object", dict), ("null", type(None))):
+    for name, py in (
+        ("boolean", bool),
+        ("integer", int),
+        ("number", float),
+        ("string", str),
+        ("array", (list, tuple)),
+        ("object", dict),
+        ("null", type(None)),
+    ):
         if isinstance(x, py):
             return name
     return type(x).__name__
 
 
 def _short(x) -> str:
-    s = repr(x)
-    return s if len(s) <= 60 else s[:57] + "..."
+    return safe_repr(x, 60)
 
 
 class ToolExecutor:
@@ -99,8 +121,9 @@ class ToolExecutor:
       timeout_s: optional overall limit per call; exceeding it yields an error Observation.
     """
 
-    def __init__(self, tools: list[Tool], max_concurrency: int = 64,
-                 timeout_s: float | None = None):
+    def __init__(
+        self, tools: list[Tool], max_concurrency: int = 64, timeout_s: float | None = None
+    ):
         self.tools: dict[str, Tool] = {}
         for t in tools:
             if t.name in self.tools:
@@ -123,36 +146,63 @@ class ToolExecutor:
         return sem
 
     async def execute(self, call: ToolCall, session_id: str | None = None) -> Observation:
-        """Validates and runs one call; every failure is an Observation with ok=False."""
+        """Validates and runs one call; never raises: every failure is an Observation(ok=False).
+
+        Refused before the tool runs: an unknown tool, arguments that are not a plain JSON
+        object (non-string keys, non-finite numbers, unpaired surrogates, nesting deeper than
+        MAX_JSON_DEPTH: see `json_value_error`) or that do not match the tool's schema.
+        """
         t0 = time.monotonic()
-        tool = self.tools.get(call.name)
+        try:
+            obs = await self._execute(call, session_id)
+        except Exception as e:  # noqa: BLE001 -- a bug here must not end the rollout either
+            obs = Observation(
+                text=f"Error: tool call failed: {describe_exception(e)}",
+                ok=False,
+                metrics={"internal_error": 1.0},
+            )
+        obs.latency_s = time.monotonic() - t0
+        return obs
+
+    async def _execute(self, call: ToolCall, session_id: str | None) -> Observation:
+        name = call.name
+        tool = self.tools.get(name) if isinstance(name, str) else None
         if tool is None:
             return Observation(
-                text=f"Error: unknown tool {call.name!r}; available tools: "
-                     f"{', '.join(sorted(self.tools)) or '(none)'}", ok=False,
-                latency_s=time.monotonic() - t0, metrics={"unknown_tool": 1.0})
+                text=f"Error: unknown tool {_short(name)}; available tools: "
+                f"{', '.join(sorted(self.tools)) or '(none)'}",
+                ok=False,
+                metrics={"unknown_tool": 1.0},
+            )
         if not isinstance(call.arguments, dict):
             err = f"arguments must be a JSON object, got {_json_type(call.arguments)}"
         else:
-            err = validate_arguments(call.arguments, tool.parameters or {"type": "object"})
+            err = json_value_error(call.arguments) or validate_arguments(
+                call.arguments, tool.parameters or {"type": "object"}
+            )
         if err:
-            return Observation(text=f"Error: invalid call to {call.name!r}: {err}", ok=False,
-                               latency_s=time.monotonic() - t0, metrics={"invalid_args": 1.0})
+            return Observation(
+                text=f"Error: invalid call to {name!r}: {err}",
+                ok=False,
+                metrics={"invalid_args": 1.0},
+            )
         async with self._sem():
             try:
                 coro = tool.call(call.arguments, session_id)
                 obs = await (asyncio.wait_for(coro, self.timeout_s) if self.timeout_s else coro)
             except TimeoutError:
-                obs = Observation(text=f"Error: tool {call.name!r} timed out after "
-                                       f"{self.timeout_s} s", ok=False, metrics={"timeout": 1.0})
-            except Exception as e:  # noqa: BLE001 -- errors are data
-                obs = Observation(text=f"Error in tool {call.name!r}: {type(e).__name__}: {e}",
-                                  ok=False)
-        obs.latency_s = time.monotonic() - t0
-        return obs
+                obs = Observation(
+                    text=f"Error: tool {name!r} timed out after {self.timeout_s} s",
+                    ok=False,
+                    metrics={"timeout": 1.0},
+                )
+            except (Exception, SystemExit) as e:  # noqa: BLE001 -- errors are data
+                obs = Observation(text=f"Error in tool {name!r}: {describe_exception(e)}", ok=False)
+        return checked_observation(obs, name)
 
-    async def execute_many(self, calls: list[ToolCall],
-                           session_id: str | None = None) -> list[Observation]:
+    async def execute_many(
+        self, calls: list[ToolCall], session_id: str | None = None
+    ) -> list[Observation]:
         """Runs several calls of one turn concurrently, results in call order."""
         return list(await asyncio.gather(*(self.execute(c, session_id) for c in calls)))
 

@@ -9,10 +9,24 @@ import re
 import types
 import typing
 
-from jaxrl_tools.tools.base import Observation, Tool, truncate_middle
+from jaxrl_tools.tools.base import (
+    Observation,
+    Tool,
+    describe_exception,
+    format_int,
+    truncate_middle,
+)
 
-_PRIMS = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object",
-          list: "array", tuple: "array", type(None): "null"}
+_PRIMS = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    dict: "object",
+    list: "array",
+    tuple: "array",
+    type(None): "null",
+}
 
 
 def type_schema(tp) -> dict:
@@ -45,8 +59,9 @@ def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
     if not doc:
         return "", {}
     doc = inspect.cleandoc(doc)
-    sections = re.split(r"^(Args|Arguments|Returns|Raises|Yields|Examples?):\s*$", doc,
-                        flags=re.MULTILINE)
+    sections = re.split(
+        r"^(Args|Arguments|Returns|Raises|Yields|Examples?):\s*$", doc, flags=re.MULTILINE
+    )
     description = sections[0].strip()
     args: dict[str, str] = {}
     for title, body in zip(sections[1::2], sections[2::2]):
@@ -66,8 +81,13 @@ def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
 class FunctionTool(Tool):
     """Wraps a (sync or async) Python function; see `function_tool`."""
 
-    def __init__(self, fn, name: str | None = None, description: str | None = None,
-                 max_output_chars: int = 4000):
+    def __init__(
+        self,
+        fn,
+        name: str | None = None,
+        description: str | None = None,
+        max_output_chars: int = 4000,
+    ):
         super().__init__()
         self.fn = fn
         self.name = name or fn.__name__
@@ -94,10 +114,21 @@ class FunctionTool(Tool):
             else:
                 out = await asyncio.to_thread(self.fn, **arguments)
         except Exception as e:  # noqa: BLE001 -- errors are data for the model
-            return Observation.error(f"Error: {type(e).__name__}: {e}")
+            return Observation.error(f"Error: {describe_exception(e)}")
         if isinstance(out, Observation):
             return out
-        text = out if isinstance(out, str) else json.dumps(out, ensure_ascii=False, default=str)
+        if isinstance(out, str):
+            text = out
+        elif isinstance(out, int) and not isinstance(out, bool):
+            text = format_int(out)  # json.dumps/str raise past the int-string digit limit
+        else:
+            try:
+                text = json.dumps(out, ensure_ascii=False, default=str)
+            except (ValueError, TypeError, RecursionError) as e:
+                return Observation.error(
+                    f"Error: the result of {self.name!r} cannot be written "
+                    f"as JSON: {describe_exception(e, 200)}"
+                )
         return Observation(truncate_middle(text, self.max_output_chars))
 
 

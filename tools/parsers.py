@@ -1,4 +1,4 @@
-"""Tool-call parsers, one per rollout protocol (see shared/METHODS.md).
+"""Tool-call parsers, one per rollout protocol (see docs/METHODS.md).
 
 Each parser has:
   stop_strings: the strings that end a tool-call segment; the engine stops generation there and
@@ -13,13 +13,22 @@ Each parser has:
   torl:      ```python ... ``` then ```output -> result, then ```
   retool:    <code>...</code> (a ```python fence inside is fine) -> <interpreter>...</interpreter>
   search_r1: <search>query</search> -> <information>top-k passages</information>
+
+`parse` never raises, whatever the model wrote: JSON that Python cannot hold safely (deep
+nesting, integers past the int-string digit limit, NaN/Infinity, unpaired surrogates) is a parse
+error for the model too. `read_tool_calls(text)` is the lenient <tool_call> reader of rewards.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
+import sys
+from typing import Any
+
+from jaxrl_tools.tools.base import MAX_JSON_DEPTH, json_value_error
 
 
 @dataclasses.dataclass
@@ -43,29 +52,82 @@ class ParseResult:
         return self.error is None
 
 
-def _scan_tags(text: str, open_tag: str,
-               close_tag: str) -> tuple[list[tuple[int, int]], str | None]:
-    """Spans (start of body, end of body) of open..close pairs; an error on nesting/unterminated."""
+def _scan_tags(
+    text: str, open_tag: str, close_tag: str, strict: bool = True
+) -> tuple[list[tuple[int, int]], str | None]:
+    """Spans (start of body, end of body) of open..close pairs, in order.
+
+    strict: an error (and the spans before it) on a closing tag without an opening one, a nested
+    opening tag or an unterminated one. Otherwise reads like the regex `open(.*?)close`: stray
+    closing tags and an unterminated last opening tag are skipped, a nested opening tag stays in
+    the body, and never an error. Linear time either way (the regex is quadratic on many
+    unterminated opening tags).
+    """
     spans = []
     pos = 0
     while True:
         i = text.find(open_tag, pos)
-        j = text.find(close_tag, pos)
-        if i < 0:
-            if j >= 0:
+        if strict:
+            j = text.find(close_tag, pos)
+            if i < 0:
+                if j >= 0:
+                    return spans, f"found {close_tag} without a matching {open_tag}"
+                return spans, None
+            if 0 <= j < i:
                 return spans, f"found {close_tag} without a matching {open_tag}"
+        elif i < 0:
             return spans, None
-        if 0 <= j < i:
-            return spans, f"found {close_tag} without a matching {open_tag}"
         body = i + len(open_tag)
         end = text.find(close_tag, body)
-        nxt = text.find(open_tag, body)
         if end < 0:
-            return spans, f"unterminated {open_tag}: close it with {close_tag}"
-        if 0 <= nxt < end:
+            return spans, (
+                f"unterminated {open_tag}: close it with {close_tag}" if strict else None
+            )
+        if strict and 0 <= text.find(open_tag, body, end):
             return spans, f"nested {open_tag} inside {open_tag}: write one call per tag"
         spans.append((body, end))
         pos = end + len(close_tag)
+
+
+class _JSONValueError(ValueError):
+    """Valid JSON syntax that tools do not take (non-finite numbers); message for the model."""
+
+
+def _no_constant(name: str):
+    raise _JSONValueError(f"{name} is not valid JSON; write a finite number or a string")
+
+
+def _finite_float(s: str) -> float:
+    x = float(s)
+    if not math.isfinite(x):
+        raise _JSONValueError(
+            f"number {s[:20]}{'...' if len(s) > 20 else ''} is out of range "
+            "for a 64-bit float; write it as a string"
+        )
+    return x
+
+
+def _decode_json(s: str, root: str = "") -> tuple[Any, str | None]:
+    """json.loads that never raises: (value, None), or (None, a short message for the model).
+
+    Refused besides syntax errors: NaN/Infinity and floats that overflow, integers past
+    Python's int-string digit limit, nesting deeper than MAX_JSON_DEPTH and strings with
+    unpaired UTF-16 surrogates (see `json_value_error`); `root` names the value in messages.
+    """
+    try:
+        value = json.loads(s, parse_float=_finite_float, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        return None, f"{e.msg} at line {e.lineno} column {e.colno}"
+    except _JSONValueError as e:
+        return None, str(e)
+    except RecursionError:
+        return None, f"nested deeper than {MAX_JSON_DEPTH} levels"
+    except ValueError:  # int(): more digits than the interpreter converts (Python >= 3.11)
+        return None, (
+            f"an integer has more than {sys.get_int_max_str_digits()} digits; write it as a string"
+        )
+    err = json_value_error(value, root)
+    return (None, err) if err else (value, None)
 
 
 class Parser:
@@ -73,12 +135,19 @@ class Parser:
 
     name = "base"
     stop_strings: tuple[str, ...] = ()
+    # Chat protocols set the message role of tool results: the agent loop then renders them as
+    # such messages through the tokenizer's chat template (the only owner of turn markup)
+    # instead of appending `format_observation`'s inline text.
+    chat_role: str | None = None
 
     def parse(self, text: str) -> ParseResult:
         raise NotImplementedError
 
     def format_observation(self, obs_texts: list[str]) -> str:
         raise NotImplementedError
+
+
+_CALL_OPEN, _CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
 class QwenParser(Parser):
@@ -87,54 +156,102 @@ class QwenParser(Parser):
     Args:
       stop_at_each_call: if True, stop_strings is ("</tool_call>",) (one call per segment);
         if False, generation runs to the end of the turn ("<|im_end|>") and may hold several.
-      chat_wrap: format_observation closes the assistant turn and opens a user turn holding the
-        <tool_response> blocks, then a new assistant turn (Qwen's chat template for tool
-        messages); False returns only the <tool_response> blocks.
+      chat_wrap: tool results are "tool" messages of the chat template (`chat_role`), which
+        closes the assistant turn and wraps them (Qwen: a user turn of <tool_response> blocks);
+        False: inline <tool_response> blocks (`format_observation`).
     """
 
     name = "qwen"
 
     def __init__(self, stop_at_each_call: bool = True, chat_wrap: bool = True):
         self.stop_strings = ("</tool_call>",) if stop_at_each_call else ("<|im_end|>",)
-        self.chat_wrap = chat_wrap
+        self.chat_role = "tool" if chat_wrap else None
 
     def parse(self, text: str) -> ParseResult:
-        spans, err = _scan_tags(text, "<tool_call>", "</tool_call>")
+        spans, err = _scan_tags(text, _CALL_OPEN, _CALL_CLOSE)
         if err:
             return ParseResult(error=f"Error: {err}")
         calls = []
         for k, (a, b) in enumerate(spans, 1):
-            raw = text[a:b].strip()
-            where = f"<tool_call> #{k}" if len(spans) > 1 else "<tool_call>"
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as e:
-                return ParseResult(error=f"Error: invalid JSON in {where}: {e.msg} at line "
-                                         f"{e.lineno} column {e.colno}")
+            where = f"{_CALL_OPEN} #{k}" if len(spans) > 1 else _CALL_OPEN
+            obj, err = _decode_json(text[a:b].strip())
+            if err:
+                return ParseResult(error=f"Error: invalid JSON in {where}: {err}")
             if not isinstance(obj, dict):
-                return ParseResult(error=f"Error: {where} must hold a JSON object with 'name' "
-                                         "and 'arguments'")
+                return ParseResult(
+                    error=f"Error: {where} must hold a JSON object with 'name' and 'arguments'"
+                )
             name = obj.get("name")
             if not isinstance(name, str) or not name:
                 return ParseResult(error=f"Error: {where} has no string field 'name'")
             args = obj.get("arguments", obj.get("parameters", {}))
             if isinstance(args, str):  # some models double-encode the arguments
-                try:
-                    args = json.loads(args) if args.strip() else {}
-                except json.JSONDecodeError as e:
-                    return ParseResult(error=f"Error: 'arguments' of {where} is a string that is "
-                                             f"not valid JSON: {e.msg}")
+                args, err = _decode_json(args, "arguments") if args.strip() else ({}, None)
+                if err:
+                    return ParseResult(
+                        error=f"Error: 'arguments' of {where} is a string that is "
+                        f"not valid JSON: {err}"
+                    )
             if not isinstance(args, dict):
-                return ParseResult(error=f"Error: 'arguments' of {where} must be a JSON object, "
-                                         f"got {type(args).__name__}")
+                return ParseResult(
+                    error=f"Error: 'arguments' of {where} must be a JSON object, "
+                    f"got {type(args).__name__}"
+                )
             calls.append(ToolCall(name=name, arguments=args, raw=text[a:b]))
         return ParseResult(calls=calls)
 
     def format_observation(self, obs_texts: list[str]) -> str:
-        body = "\n".join(f"<tool_response>\n{t}\n</tool_response>" for t in obs_texts)
-        if not self.chat_wrap:
-            return body
-        return f"<|im_end|>\n<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+        return "\n".join(f"<tool_response>\n{t}\n</tool_response>" for t in obs_texts)
+
+
+def read_tool_calls(text: str) -> list[dict] | None:
+    """Every call in the <tool_call>...</tool_call> blocks of `text`, as {"name", "arguments"}.
+
+    The lenient reader that rewards score responses and ground truths with (ToolRL, Tool-N1);
+    the rollout's strict one is `QwenParser.parse`. Both share the tag scanner and the JSON
+    decoder, so it never raises either.
+
+    A block holds one JSON object (Qwen), one JSON object per line (ToolRL) or a JSON list of
+    objects (whole block or per line). Blocks are read like the regex <tool_call>(.*?)</tool_call>:
+    a closing tag without an opening one and an unterminated last block are skipped. Arguments
+    come from "arguments" (else "parameters"); a JSON string there is decoded when it decodes,
+    missing or null arguments become {}; names and arguments are not otherwise checked.
+
+    Args:
+      text: a model response or a ground-truth answer string.
+
+    Returns:
+      The calls in order; [] when there is no block; None when a block is empty, is not JSON
+      (neither whole nor line by line; NaN/Infinity, integers past the int-string digit limit,
+      nesting deeper than MAX_JSON_DEPTH and unpaired surrogates count as not JSON) or holds
+      anything but objects with a "name".
+    """
+    spans, _ = _scan_tags(text, _CALL_OPEN, _CALL_CLOSE, strict=False)
+    calls = []
+    for a, b in spans:
+        block = text[a:b].strip()
+        if not block:
+            return None
+        obj, err = _decode_json(block)
+        objs = [obj]
+        if err:  # ToolRL: one object per line
+            objs = []
+            for line in block.splitlines():
+                if line.strip():
+                    obj, err = _decode_json(line)
+                    if err:
+                        return None
+                    objs.append(obj)
+        for obj in objs:
+            for o in obj if isinstance(obj, list) else [obj]:
+                if not isinstance(o, dict) or "name" not in o:
+                    return None
+                args = o.get("arguments", o.get("parameters", {}))
+                if isinstance(args, str):
+                    decoded, err = _decode_json(args)
+                    args = args if err else decoded
+                calls.append({"name": o.get("name"), "arguments": {} if args is None else args})
+    return calls
 
 
 class ToRLParser(Parser):
@@ -159,20 +276,27 @@ class ToRLParser(Parser):
             return ParseResult(error="Error: ```output without a preceding ```python block")
         if len(opens) > 1:
             # a second ```python after the last closed block, or two blocks: ambiguous
-            return ParseResult(error="Error: several ```python blocks before ```output; "
-                                     "write one block per execution")
+            return ParseResult(
+                error="Error: several ```python blocks before ```output; "
+                "write one block per execution"
+            )
         body_start = opens[-1].end()
         close = seg.find("```", body_start)
         if close < 0:
-            return ParseResult(error="Error: unterminated ```python block: close it with ``` "
-                                     "before ```output")
-        if seg[close + 3:].strip():
+            return ParseResult(
+                error="Error: unterminated ```python block: close it with ``` before ```output"
+            )
+        if seg[close + 3 :].strip():
             return ParseResult(error="Error: text between the code block and ```output")
         code = seg[body_start:close]
         if not code.strip():
             return ParseResult(error="Error: empty ```python block")
-        return ParseResult(calls=[ToolCall(self.tool_name, {"code": code},
-                                           raw=text[opens[-1].start():])])
+        err = json_value_error(code, "the ```python block")
+        if err:
+            return ParseResult(error=f"Error: {err}")
+        return ParseResult(
+            calls=[ToolCall(self.tool_name, {"code": code}, raw=text[opens[-1].start() :])]
+        )
 
     def format_observation(self, obs_texts: list[str]) -> str:
         return "\n" + "\n".join(obs_texts) + "\n```\n"
@@ -200,14 +324,20 @@ class _TagParser(Parser):
         if not spans:
             return ParseResult()
         if len(spans) > 1:
-            return ParseResult(error=f"Error: {len(spans)} {o} blocks in one turn; write one "
-                                     f"{o}...{c} and wait for the result")
+            return ParseResult(
+                error=f"Error: {len(spans)} {o} blocks in one turn; write one "
+                f"{o}...{c} and wait for the result"
+            )
         a, b = spans[0]
         body = self._body(text[a:b])
         if not body.strip():
             return ParseResult(error=f"Error: empty {o} block")
-        return ParseResult(calls=[ToolCall(self.tool_name, {self.arg: body},
-                                           raw=text[a - len(o):b + len(c)])])
+        err = json_value_error(body, f"the {o} block")
+        if err:
+            return ParseResult(error=f"Error: {err}")
+        return ParseResult(
+            calls=[ToolCall(self.tool_name, {self.arg: body}, raw=text[a - len(o) : b + len(c)])]
+        )
 
 
 class ReToolParser(_TagParser):
@@ -237,12 +367,16 @@ class SearchR1Parser(_TagParser):
         super().__init__(tool_name)
 
     def format_observation(self, obs_texts: list[str]) -> str:
-        return "\n\n<information>" + "\n".join(t.strip() for t in obs_texts) + \
-            "</information>\n\n"
+        return "\n\n<information>" + "\n".join(t.strip() for t in obs_texts) + "</information>\n\n"
 
 
-PARSERS = {"qwen": QwenParser, "hermes": QwenParser, "torl": ToRLParser,
-           "retool": ReToolParser, "search_r1": SearchR1Parser}
+PARSERS = {
+    "qwen": QwenParser,
+    "hermes": QwenParser,
+    "torl": ToRLParser,
+    "retool": ReToolParser,
+    "search_r1": SearchR1Parser,
+}
 
 
 def get_parser(protocol: str, **kwargs) -> Parser:
@@ -250,6 +384,7 @@ def get_parser(protocol: str, **kwargs) -> Parser:
     try:
         cls = PARSERS[protocol]
     except KeyError:
-        raise ValueError(f"unknown tool-call protocol {protocol!r}; valid: "
-                         f"{sorted(PARSERS)}") from None
+        raise ValueError(
+            f"unknown tool-call protocol {protocol!r}; valid: {sorted(PARSERS)}"
+        ) from None
     return cls(**kwargs)

@@ -19,6 +19,8 @@ import base64
 import collections
 import concurrent.futures
 import dataclasses
+import http.server
+import json
 import logging
 import os
 import queue
@@ -78,8 +80,14 @@ class SandboxPool:
       SandboxUnavailableError: the configured isolation is missing on this host (fail-closed).
     """
 
-    def __init__(self, n_workers: int | None = None, config: SandboxConfig | None = None, *,
-                 max_pending: int | None = None, start: bool = True):
+    def __init__(
+        self,
+        n_workers: int | None = None,
+        config: SandboxConfig | None = None,
+        *,
+        max_pending: int | None = None,
+        start: bool = True,
+    ):
         self.config = config or SandboxConfig()
         self.n_workers = int(n_workers or os.cpu_count() or 1)
         if self.n_workers < 1:
@@ -98,8 +106,9 @@ class SandboxPool:
         # All worker processes are forked from this one long-lived thread (see
         # SandboxWorker.start: --die-with-parent fires when the forking thread exits).
         self._spawn_q: queue.Queue = queue.Queue()
-        self._spawner = threading.Thread(target=self._spawn_loop, daemon=True,
-                                         name="sandbox-spawner")
+        self._spawner = threading.Thread(
+            target=self._spawn_loop, daemon=True, name="sandbox-spawner"
+        )
         self._spawner.start()
         if start:
             self.start()
@@ -141,9 +150,14 @@ class SandboxPool:
         for w in workers:
             self._idle.put(w)
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            self.n_workers, thread_name_prefix="sandbox-pool")
-        logger.info("sandbox pool: %d workers (%s isolation, %s)", self.n_workers,
-                    self.config.isolation, workers[0].hello)
+            self.n_workers, thread_name_prefix="sandbox-pool"
+        )
+        logger.info(
+            "sandbox pool: %d workers (%s isolation, %s)",
+            self.n_workers,
+            self.config.isolation,
+            workers[0].hello,
+        )
 
     def close(self) -> None:
         """Kills every worker (and its sandbox); idempotent."""
@@ -174,9 +188,16 @@ class SandboxPool:
             return [w.pid for w in self._all if w.pid is not None]
 
     # --------------------------------------------------------------------------- calls
-    async def run(self, code: str, *, timeout_s: float | None = None,
-                  memory_mb: int | None = None, stdin: str = "", replay: list[str] | None = None,
-                  files: dict[str, bytes] | None = None) -> ExecResult:
+    async def run(
+        self,
+        code: str,
+        *,
+        timeout_s: float | None = None,
+        memory_mb: int | None = None,
+        stdin: str = "",
+        replay: list[str] | None = None,
+        files: dict[str, bytes] | None = None,
+    ) -> ExecResult:
         """Runs `code` in a fresh sandboxed child; never raises for snippet or worker failures.
 
         Args:
@@ -198,8 +219,10 @@ class SandboxPool:
         with self._lock:
             if self.max_pending is not None and self._pending >= self.max_pending + self.n_workers:
                 self._counts["rejected"] += 1
-                return ExecResult("SandboxError", stderr="SandboxError: pool saturated "
-                                  f"({self._pending} calls pending)")
+                return ExecResult(
+                    "SandboxError",
+                    stderr=f"SandboxError: pool saturated ({self._pending} calls pending)",
+                )
             self._pending += 1
         loop = asyncio.get_running_loop()
         try:
@@ -217,12 +240,19 @@ class SandboxPool:
 
     def _request(self, code, timeout_s, memory_mb, stdin, replay, files) -> dict:
         c = self.config
-        return {"code": code, "timeout": float(timeout_s or c.timeout_s),
-                "memory_mb": int(memory_mb or c.memory_mb), "stdin": stdin or "",
-                "replay": list(replay or []), "nproc": c.nproc, "nofile": c.nofile,
-                "fsize_mb": c.fsize_mb, "max_output_bytes": c.max_output_bytes,
-                "kill_output_bytes": c.kill_output_bytes,
-                "files": {k: v.hex() for k, v in (files or {}).items()}}
+        return {
+            "code": code,
+            "timeout": float(timeout_s or c.timeout_s),
+            "memory_mb": int(memory_mb or c.memory_mb),
+            "stdin": stdin or "",
+            "replay": list(replay or []),
+            "nproc": c.nproc,
+            "nofile": c.nofile,
+            "fsize_mb": c.fsize_mb,
+            "max_output_bytes": c.max_output_bytes,
+            "kill_output_bytes": c.kill_output_bytes,
+            "files": {k: v.hex() for k, v in (files or {}).items()},
+        }
 
     def _run_blocking(self, req: dict) -> ExecResult:
         worker = self._idle.get()
@@ -234,13 +264,17 @@ class SandboxPool:
             logger.warning("sandbox worker %s lost (%s); replacing it", worker.pid, e)
             worker.kill()
             threading.Thread(target=self._replace, args=(worker,), daemon=True).start()
-            return ExecResult("SandboxError", stderr=f"SandboxError: worker lost ({e}); "
-                              "it was replaced")
+            return ExecResult(
+                "SandboxError", stderr=f"SandboxError: worker lost ({e}); it was replaced"
+            )
         self._idle.put(worker)
-        return ExecResult(status=resp.get("status", "SandboxError"),
-                          stdout=resp.get("stdout", ""), stderr=resp.get("stderr", ""),
-                          return_code=resp.get("return_code"),
-                          execution_time=float(resp.get("execution_time", 0.0)))
+        return ExecResult(
+            status=resp.get("status", "SandboxError"),
+            stdout=resp.get("stdout", ""),
+            stderr=resp.get("stderr", ""),
+            return_code=resp.get("return_code"),
+            execution_time=float(resp.get("execution_time", 0.0)),
+        )
 
     def _replace(self, dead: SandboxWorker) -> None:
         while not self._closed:
@@ -301,32 +335,65 @@ async def run_code(request: dict, pool: SandboxPool) -> dict:
     """
     lang = str(request.get("language", "python")).lower()
     if lang not in ("python", "python3"):
-        return {"status": "SandboxError", "message": f"unsupported language {lang!r} (python "
-                "only)", "compile_result": None, "run_result": None, "executor_pod_name": None,
-                "files": {}}
+        return {
+            "status": "SandboxError",
+            "message": f"unsupported language {lang!r} (python only)",
+            "compile_result": None,
+            "run_result": None,
+            "executor_pod_name": None,
+            "files": {},
+        }
     code = request.get("code")
     if not isinstance(code, str):
-        return {"status": "SandboxError", "message": "field 'code' must be a string",
-                "compile_result": None, "run_result": None, "executor_pod_name": None,
-                "files": {}}
+        return {
+            "status": "SandboxError",
+            "message": "field 'code' must be a string",
+            "compile_result": None,
+            "run_result": None,
+            "executor_pod_name": None,
+            "files": {},
+        }
     try:
         files = {k: base64.b64decode(v) for k, v in (request.get("files") or {}).items()}
     except (ValueError, TypeError) as e:
-        return {"status": "SandboxError", "message": f"field 'files': {e}",
-                "compile_result": None, "run_result": None, "executor_pod_name": None,
-                "files": {}}
-    res = await pool.run(code, timeout_s=request.get("run_timeout"),
-                         memory_mb=request.get("memory_limit_MB"),
-                         stdin=request.get("stdin") or "", files=files)
-    if res.status == "SandboxError":
-        return {"status": "SandboxError", "message": res.stderr, "compile_result": None,
-                "run_result": None, "executor_pod_name": None, "files": {}}
-    return {"status": "Success" if res.ok else "Failed", "message": "",
+        return {
+            "status": "SandboxError",
+            "message": f"field 'files': {e}",
             "compile_result": None,
-            "run_result": {"status": res.status, "execution_time": res.execution_time,
-                           "return_code": res.return_code, "stdout": res.stdout,
-                           "stderr": res.stderr},
-            "executor_pod_name": None, "files": {}}
+            "run_result": None,
+            "executor_pod_name": None,
+            "files": {},
+        }
+    res = await pool.run(
+        code,
+        timeout_s=request.get("run_timeout"),
+        memory_mb=request.get("memory_limit_MB"),
+        stdin=request.get("stdin") or "",
+        files=files,
+    )
+    if res.status == "SandboxError":
+        return {
+            "status": "SandboxError",
+            "message": res.stderr,
+            "compile_result": None,
+            "run_result": None,
+            "executor_pod_name": None,
+            "files": {},
+        }
+    return {
+        "status": "Success" if res.ok else "Failed",
+        "message": "",
+        "compile_result": None,
+        "run_result": {
+            "status": res.status,
+            "execution_time": res.execution_time,
+            "return_code": res.return_code,
+            "stdout": res.stdout,
+            "stderr": res.stderr,
+        },
+        "executor_pod_name": None,
+        "files": {},
+    }
 
 
 def run_code_sync(request: dict, pool: SandboxPool) -> dict:
@@ -341,8 +408,6 @@ def make_http_server(pool: SandboxPool, host: str = "127.0.0.1", port: int = 808
     Call `.serve_forever()` on the result (in a thread), `.shutdown()` to stop; `port=0` picks a
     free port (`server.server_address[1]`). Bind to localhost unless you add authentication.
     """
-    import http.server
-    import json
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 -- http.server's naming

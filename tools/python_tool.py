@@ -44,29 +44,37 @@ class PythonTool(Tool):
     """
 
     name = "python"  # the name the parsers and the chat-template schema use
-    description = ("Execute Python code and return what it prints to stdout (and the error on "
-                   "failure). numpy and sympy are available; no network, no files outside the "
-                   "working directory.")
-    parameters = {"type": "object",
-                  "properties": {"code": {"type": "string",
-                                          "description": "The Python code to execute."}},
-                  "required": ["code"]}
+    description = (
+        "Execute Python code and return what it prints to stdout (and the error on "
+        "failure). numpy and sympy are available; no network, no files outside the "
+        "working directory."
+    )
+    parameters = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "The Python code to execute."}},
+        "required": ["code"],
+    }
 
-    def __init__(self, mode: str = "stateless", pool: SandboxPool | None = None, *,
-                 n_workers: int | None = None, timeout_s: float | None = None,
-                 memory_mb: int | None = None, max_output_chars: int = 2000,
-                 full_traceback: bool = False, max_session_cells: int = 32,
-                 tool_schema: dict | None = None):
+    def __init__(
+        self,
+        mode: str = "stateless",
+        pool: SandboxPool | None = None,
+        *,
+        n_workers: int | None = None,
+        timeout_s: float | None = None,
+        memory_mb: int | None = None,
+        max_output_chars: int = 2000,
+        full_traceback: bool = False,
+        max_session_cells: int = 32,
+        tool_schema: dict | None = None,
+    ):
         super().__init__(tool_schema=tool_schema)
         if mode not in ("stateless", "session"):
             raise ValueError(f"PythonTool mode={mode!r}; valid: 'stateless', 'session'")
         self.mode = mode
         self._own_pool = pool is None
-        if pool is None:
-            cfg = SandboxConfig(**({"timeout_s": timeout_s} if timeout_s else {}),
-                                **({"memory_mb": memory_mb} if memory_mb else {}))
-            pool = SandboxPool(n_workers, cfg)
-        self.pool = pool
+        self._pool = pool
+        self._n_workers = n_workers
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
         self.max_output_chars = max_output_chars
@@ -85,8 +93,10 @@ class PythonTool(Tool):
         async with lock:  # cells of one trajectory run in order
             history = self._history.setdefault(session_id, [])
             if len(history) >= self.max_session_cells:
-                return Observation.error(f"Error: session has {len(history)} cells, the limit "
-                                         f"is {self.max_session_cells}")
+                return Observation.error(
+                    f"Error: session has {len(history)} cells, the limit "
+                    f"is {self.max_session_cells}"
+                )
             res = await self._run(code, list(history))
             if res.ok and session_id in self._history:
                 history.append(code)
@@ -94,30 +104,53 @@ class PythonTool(Tool):
             obs.metrics["session_cells"] = float(len(history))
             return obs
 
+    def start(self) -> None:
+        self.pool  # noqa: B018 - starts the workers (and checks the isolation) now
+
+    @property
+    def pool(self) -> SandboxPool:
+        """The worker pool, started on first use (building the tool, e.g. to check a config,
+        starts no process)."""
+        if self._pool is None:
+            cfg = SandboxConfig(
+                **({"timeout_s": self.timeout_s} if self.timeout_s else {}),
+                **({"memory_mb": self.memory_mb} if self.memory_mb else {}),
+            )
+            self._pool = SandboxPool(self._n_workers, cfg)
+        return self._pool
+
     async def _run(self, code, replay):
-        return await self.pool.run(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
-                                   replay=replay)
+        return await self.pool.run(
+            code, timeout_s=self.timeout_s, memory_mb=self.memory_mb, replay=replay
+        )
 
     def _observe(self, res) -> Observation:
-        metrics = {"exec_time_s": res.execution_time,
-                   "timeout": float(res.status == "TimeLimitExceeded")}
+        metrics = {
+            "exec_time_s": res.execution_time,
+            "timeout": float(res.status == "TimeLimitExceeded"),
+        }
         if res.status == "TimeLimitExceeded":
-            text = (res.stdout.rstrip("\n") + "\n" if res.stdout.strip() else "") + \
-                "TimeoutError: execution exceeded the time limit"
-            return Observation(truncate_middle(text, self.max_output_chars), ok=False,
-                               metrics=metrics)
+            text = (
+                res.stdout.rstrip("\n") + "\n" if res.stdout.strip() else ""
+            ) + "TimeoutError: execution exceeded the time limit"
+            return Observation(
+                truncate_middle(text, self.max_output_chars), ok=False, metrics=metrics
+            )
         if res.status == "SandboxError":
-            return Observation(truncate_middle(res.stderr or "SandboxError", self.max_output_chars),
-                               ok=False, metrics=metrics)
+            return Observation(
+                truncate_middle(res.stderr or "SandboxError", self.max_output_chars),
+                ok=False,
+                metrics=metrics,
+            )
         if res.ok:
-            return Observation(truncate_middle(res.stdout, self.max_output_chars), ok=True,
-                               metrics=metrics)
+            return Observation(
+                truncate_middle(res.stdout, self.max_output_chars), ok=True, metrics=metrics
+            )
         err = res.stderr if self.full_traceback else last_traceback_line(res.stderr)
         if not err:
             err = f"Process exited with code {res.return_code}"
         text = (res.stdout.rstrip("\n") + "\n" if res.stdout.strip() else "") + err
-        return Observation(truncate_middle(text, self.max_output_chars), ok=False,
-                           metrics=metrics)
+        return Observation(truncate_middle(text, self.max_output_chars), ok=False, metrics=metrics)
 
     async def close_session(self, session_id: str) -> None:
         self._history.pop(session_id, None)
@@ -125,5 +158,5 @@ class PythonTool(Tool):
 
     async def close(self) -> None:
         self._history.clear()
-        if self._own_pool:
-            self.pool.close()
+        if self._own_pool and self._pool is not None:
+            self._pool.close()

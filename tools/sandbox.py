@@ -50,8 +50,10 @@ logger = logging.getLogger(__name__)
 WORKER_SCRIPT = Path(__file__).with_name("_sandbox_worker.py")
 _STAGE_ROOT = Path("/run/jaxrl_tools_sandbox")
 _ISOLATIONS = ("bwrap", "unsafe_process")
-INSTALL_HINT = ("install bubblewrap (`apt-get install -y bubblewrap`), util-linux (setpriv, "
-                "unshare, mount; present on Debian) and pyseccomp (`pip install pyseccomp`)")
+INSTALL_HINT = (
+    "install bubblewrap (`apt-get install -y bubblewrap`), util-linux (setpriv, "
+    "unshare, mount; present on Debian) and pyseccomp (`pip install pyseccomp`)"
+)
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -104,8 +106,16 @@ class SandboxConfig:
     def __post_init__(self):
         if self.isolation not in _ISOLATIONS:
             raise ValueError(f"SandboxConfig.isolation={self.isolation!r}; valid: {_ISOLATIONS}")
-        for name in ("timeout_s", "memory_mb", "nproc", "nofile", "fsize_mb", "max_output_bytes",
-                     "kill_output_bytes", "tmpfs_mb"):
+        for name in (
+            "timeout_s",
+            "memory_mb",
+            "nproc",
+            "nofile",
+            "fsize_mb",
+            "max_output_bytes",
+            "kill_output_bytes",
+            "tmpfs_mb",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)}")
 
@@ -127,8 +137,9 @@ def check_isolation(config: SandboxConfig) -> list[str]:
         pass
     knob = Path("/proc/sys/kernel/unprivileged_userns_clone")
     if knob.exists() and knob.read_text().strip() == "0":
-        problems.append("unprivileged user namespaces disabled "
-                        "(sysctl kernel.unprivileged_userns_clone=1)")
+        problems.append(
+            "unprivileged user namespaces disabled (sysctl kernel.unprivileged_userns_clone=1)"
+        )
     return problems
 
 
@@ -213,8 +224,9 @@ def remove_cgroups(dirs: list[Path]) -> None:
                 time.sleep(0.01)
 
 
-def build_command(config: SandboxConfig, worker_cfg: dict, script_fd: int,
-                  cgroups: list[Path] = ()) -> list[str]:
+def build_command(
+    config: SandboxConfig, worker_cfg: dict, script_fd: int, cgroups: list[Path] = ()
+) -> list[str]:
     """The argv that starts one sandboxed worker (the worker source is read from `script_fd`).
 
     As root, a tiny /bin/sh step first joins the worker's `cgroups` and performs the staging
@@ -239,8 +251,20 @@ def build_command(config: SandboxConfig, worker_cfg: dict, script_fd: int,
             binds.append((str(point), str(p)))
         else:
             binds.append((str(p), str(p)))
-    bw = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-          "--hostname", "sandbox", "--clearenv", "--ro-bind", "/usr", "/usr"]
+    bw = [
+        "bwrap",
+        "--unshare-all",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--hostname",
+        "sandbox",
+        "--clearenv",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+    ]
     for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         host = Path("/") / top
         if host.is_symlink():
@@ -250,23 +274,46 @@ def build_command(config: SandboxConfig, worker_cfg: dict, script_fd: int,
     if Path("/etc/ld.so.cache").exists():
         bw += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
     # The private /tmp first: an interpreter or venv that lives under /tmp is bound on top of it.
-    bw += ["--proc", "/proc", "--dev", "/dev", "--size", str(config.tmpfs_mb * 2**20),
-           "--tmpfs", "/tmp"]
+    bw += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        str(config.tmpfs_mb * 2**20),
+        "--tmpfs",
+        "/tmp",
+    ]
     for src, dst in binds:
         bw += ["--ro-bind", src, dst]
     bw += ["--chdir", "/tmp"]
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
-           "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "NUMEXPR_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": "/tmp",
+        "LANG": "C.UTF-8",
+        "OPENBLAS_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "NUMEXPR_NUM_THREADS": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
     for k, v in env.items():
         bw += ["--setenv", k, v]
     bw += ["--", python, "-I", "-c", _BOOT.format(fd=script_fd), args]
     if not root:
         return bw
-    drop = ["setpriv", f"--reuid={config.uid}", f"--regid={config.gid}", "--clear-groups",
-            "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
-    script = "set -e\n" + "".join(f"echo $$ > {shlex.quote(str(d / 'cgroup.procs'))}\n"
-                                  for d in cgroups)
+    drop = [
+        "setpriv",
+        f"--reuid={config.uid}",
+        f"--regid={config.gid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
+    ]
+    script = "set -e\n" + "".join(
+        f"echo $$ > {shlex.quote(str(d / 'cgroup.procs'))}\n" for d in cgroups
+    )
     script += "".join(f"mount --bind {shlex.quote(a)} {shlex.quote(b)}\n" for a, b in stage)
     script += 'exec "$@"\n'
     if not stage and not cgroups:
@@ -278,9 +325,11 @@ def build_command(config: SandboxConfig, worker_cfg: dict, script_fd: int,
 
 
 # The worker's source comes through an inherited pipe: no host path has to be visible inside.
-_BOOT = ("import os,sys;f=os.fdopen({fd},'rb');s=f.read();f.close();"
-         "sys.argv=['_sandbox_worker']+sys.argv[1:];g={{'__name__':'__main__'}};"
-         "exec(compile(s,'_sandbox_worker.py','exec'),g)")
+_BOOT = (
+    "import os,sys;f=os.fdopen({fd},'rb');s=f.read();f.close();"
+    "sys.argv=['_sandbox_worker']+sys.argv[1:];g={{'__name__':'__main__'}};"
+    "exec(compile(s,'_sandbox_worker.py','exec'),g)"
+)
 
 
 class SandboxWorker:
@@ -307,11 +356,17 @@ class SandboxWorker:
         """
         cfg = self.config
         if cfg.isolation == "unsafe_process":
-            logger.warning("SANDBOX DISABLED: isolation='unsafe_process' runs model code without "
-                           "namespaces or uid drop (rlimits/Landlock/seccomp per snippet only)")
-        worker_cfg = {"read_paths": [str(p) for p in _python_paths()] + ["/usr", "/etc"]
-                      + list(cfg.extra_ro_binds), "preload": list(cfg.preload),
-                      "own_pid_namespace": cfg.isolation == "bwrap"}
+            logger.warning(
+                "SANDBOX DISABLED: isolation='unsafe_process' runs model code without "
+                "namespaces or uid drop (rlimits/Landlock/seccomp per snippet only)"
+            )
+        worker_cfg = {
+            "read_paths": [str(p) for p in _python_paths()]
+            + ["/usr", "/etc"]
+            + list(cfg.extra_ro_binds),
+            "preload": list(cfg.preload),
+            "own_pid_namespace": cfg.isolation == "bwrap",
+        }
         r, w = os.pipe()
         src = WORKER_SCRIPT.read_bytes()
         if len(src) >= 65536:  # must fit in the pipe buffer since nobody reads yet
@@ -321,23 +376,38 @@ class SandboxWorker:
         if cfg.isolation == "bwrap" and os.geteuid() == 0:
             self.cgroups = make_cgroups(f"w{os.getpid()}_{id(self):x}_{time.monotonic_ns()}", cfg)
             if not self.cgroups and (cfg.worker_memory_mb or cfg.worker_pids):
-                logger.warning("no memory/pids cgroup for sandbox workers on this host; "
-                               "per-snippet rlimits only")
+                logger.warning(
+                    "no memory/pids cgroup for sandbox workers on this host; "
+                    "per-snippet rlimits only"
+                )
         argv = build_command(cfg, worker_cfg, r, self.cgroups)
         # Empty environment: nothing of the host's (tokens, keys) reaches any process below.
-        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-               "LANG": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        env = {
+            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "LANG": "C.UTF-8",
+            "OPENBLAS_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1",
+        }
         try:
+
             def spawn():
-                return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, pass_fds=(r,), env=env,
-                                        cwd="/", start_new_session=True)
+                return subprocess.Popen(
+                    argv,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    pass_fds=(r,),
+                    env=env,
+                    cwd="/",
+                    start_new_session=True,
+                )
 
             self.proc = spawner(spawn) if spawner else spawn()
         except OSError as e:
             os.close(r)
             raise SandboxUnavailableError(
-                f"cannot start sandbox worker ({e}); {INSTALL_HINT}") from e
+                f"cannot start sandbox worker ({e}); {INSTALL_HINT}"
+            ) from e
         os.close(r)
         try:
             hello = self._read(cfg.startup_timeout_s)
@@ -346,7 +416,8 @@ class SandboxWorker:
             self.kill()
             raise SandboxUnavailableError(
                 f"sandbox worker failed to start: {e}; stderr: {err.strip()[-800:]!r}; "
-                f"{INSTALL_HINT}") from None
+                f"{INSTALL_HINT}"
+            ) from None
         self.hello = hello
         problems = []
         if cfg.isolation == "bwrap":
@@ -355,16 +426,20 @@ class SandboxWorker:
             if [n for n in hello.get("net_ifaces", []) if n != "lo"]:
                 problems.append(f"worker sees network interfaces {hello['net_ifaces']}")
             if not hello.get("seccomp"):
-                problems.append("pyseccomp/libseccomp not importable inside the sandbox "
-                                "(pip install pyseccomp; apt-get install libseccomp2)")
+                problems.append(
+                    "pyseccomp/libseccomp not importable inside the sandbox "
+                    "(pip install pyseccomp; apt-get install libseccomp2)"
+                )
             if hello.get("landlock_abi", 0) < 1:
                 problems.append("Landlock unavailable (kernel >= 5.13 with lsm=landlock)")
         if problems:
             self.kill()
             raise SandboxUnavailableError("sandbox checks failed: " + "; ".join(problems))
         if hello.get("landlock_abi", 0) < 6:
-            logger.warning("Landlock ABI %s < 6: snippets can signal their own worker (it is "
-                           "then replaced)", hello.get("landlock_abi"))
+            logger.warning(
+                "Landlock ABI %s < 6: snippets can signal their own worker (it is then replaced)",
+                hello.get("landlock_abi"),
+            )
         # stderr of the worker is not read during operation: drop it to avoid a full pipe.
         return hello
 

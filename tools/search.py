@@ -90,8 +90,9 @@ class BM25Index:
             return []
         k = min(k, len(self.docs))
         ids, scores = self.model.retrieve([toks], k=k, show_progress=False)
-        return [(int(i), float(s)) for i, s in zip(np.asarray(ids)[0], np.asarray(scores)[0])
-                if s > 0]
+        return [
+            (int(i), float(s)) for i, s in zip(np.asarray(ids)[0], np.asarray(scores)[0]) if s > 0
+        ]
 
 
 def format_passages(docs: list[tuple[str, str]]) -> str:
@@ -113,24 +114,48 @@ class SearchTool(Tool):
 
     name = "search"
     description = "Search a knowledge base and return the top passages for a query."
-    parameters = {"type": "object",
-                  "properties": {"query": {"type": "string", "description": "The search query."}},
-                  "required": ["query"]}
+    parameters = {
+        "type": "object",
+        "properties": {"query": {"type": "string", "description": "The search query."}},
+        "required": ["query"],
+    }
 
-    def __init__(self, corpus_path: str, top_k: int = 3, cache_dir: str | None = None,
-                 max_output_chars: int = 3000, tool_schema: dict | None = None):
+    def __init__(
+        self,
+        corpus_path: str,
+        top_k: int = 3,
+        cache_dir: str | None = None,
+        max_output_chars: int = 3000,
+        tool_schema: dict | None = None,
+    ):
         super().__init__(tool_schema=tool_schema)
-        self.index = BM25Index(corpus_path, cache_dir)
+        self.corpus_path, self.cache_dir = corpus_path, cache_dir
+        self._index: BM25Index | None = None
         self.top_k = top_k
         self.max_output_chars = max_output_chars
 
+    def start(self) -> None:
+        self.index  # noqa: B018 - loads (or builds) the BM25 index now
+
+    @property
+    def index(self) -> BM25Index:
+        """The BM25 index of the corpus, loaded on first use (cached on disk)."""
+        if self._index is None:
+            self._index = BM25Index(self.corpus_path, self.cache_dir)
+        return self._index
+
     async def _call(self, arguments: dict, session_id: str | None) -> Observation:
-        query = str(arguments.get("query", "")).strip()
+        query = arguments.get("query", "")
+        if not isinstance(query, str):
+            return Observation.error("Error: 'query' must be a string")
+        query = query.strip()
         if not query:
             return Observation.error("Error: empty search query")
         hits = self.index.search(query, self.top_k)
         if not hits:
             return Observation("No results found.", metrics={"n_hits": 0.0})
         text = format_passages([self.index.docs[i] for i, _ in hits])
-        return Observation(truncate_middle(text, self.max_output_chars),
-                           metrics={"n_hits": float(len(hits)), "top_score": hits[0][1]})
+        return Observation(
+            truncate_middle(text, self.max_output_chars),
+            metrics={"n_hits": float(len(hits)), "top_score": hits[0][1]},
+        )

@@ -4,24 +4,42 @@ Public API:
   log-probs   token_logprobs, token_entropy, chunked_token_logprobs,
               chunked_token_logprobs_and_entropy
   advantages  AdvantageInputs, AdvantageConfig, compute_advantages, register_advantage_estimator,
-              get_advantage_estimator, list_advantage_estimators, discounted_returns,
-              gae_advantages, gae_step, last_token_onehot
-  losses      LossTerms, PolicyLossConfig, policy_loss, ppo_clip_loss, value_loss,
-              entropy_loss, kl_loss, aggregate, loss_denominator, log_ratio, LOSS_AGG_MODES
+              get_advantage_estimator, list_advantage_estimators, estimator_requirements,
+              needs_critic, list_critic_estimators, discounted_returns, gae_advantages, gae_step,
+              last_token_onehot
+  aggregation LossTerms, aggregate, loss_denominator, LOSS_AGG_MODES
+  losses      ppo_clip_loss, value_loss, entropy_loss, kl_loss, log_ratio
+  objective   PolicyLossConfig, policy_loss, POLICY_LOSSES, policy_loss_ratio_type
   kl          kl_penalty, apply_kl_penalty, KL_TYPES
   masked      masked_sum, masked_mean, masked_var, masked_whiten
   filters     dynamic_sampling_filter, starpo_s_filter, accuracy_band_filter
+
+Valid names of each configurable choice, owned by the module that implements it:
+  advantage estimators  list_advantage_estimators(); those needing a critic
+                        list_critic_estimators() / needs_critic(name)
+  KL estimators         KL_TYPES
+  loss aggregation      LOSS_AGG_MODES
+  policy losses         POLICY_LOSSES
+
+Estimator modules (imported here so that their estimators are registered): ``outcome`` (grpo,
+drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, remax), ``critic`` (gae, vapo), ``gigpo``.
 """
 
+from jaxrl_tools.algorithms import critic, gigpo, outcome  # noqa: F401  (register estimators)
 from jaxrl_tools.algorithms.advantages import (
     AdvantageConfig,
     AdvantageInputs,
     compute_advantages,
     discounted_returns,
-    gae_advantages,
-    gae_step,
     last_token_onehot,
 )
+from jaxrl_tools.algorithms.aggregation import (
+    LOSS_AGG_MODES,
+    LossTerms,
+    aggregate,
+    loss_denominator,
+)
+from jaxrl_tools.algorithms.critic import gae_advantages, gae_step
 from jaxrl_tools.algorithms.filters import (
     accuracy_band_filter,
     dynamic_sampling_filter,
@@ -35,32 +53,71 @@ from jaxrl_tools.algorithms.logprobs import (
     token_logprobs,
 )
 from jaxrl_tools.algorithms.losses import (
-    LOSS_AGG_MODES,
-    LossTerms,
-    PolicyLossConfig,
-    aggregate,
     entropy_loss,
     kl_loss,
     log_ratio,
-    loss_denominator,
-    policy_loss,
     ppo_clip_loss,
     value_loss,
 )
 from jaxrl_tools.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from jaxrl_tools.algorithms.objective import (
+    POLICY_LOSSES,
+    PolicyLossConfig,
+    policy_loss,
+    policy_loss_ratio_type,
+)
 from jaxrl_tools.algorithms.registry import (
+    estimator_inputs,
+    estimator_requirements,
     get_advantage_estimator,
     list_advantage_estimators,
+    list_critic_estimators,
+    needs_critic,
     register_advantage_estimator,
+    uses_group_baseline,
 )
 
 __all__ = [
-    "KL_TYPES", "LOSS_AGG_MODES", "AdvantageConfig", "AdvantageInputs", "LossTerms",
-    "PolicyLossConfig", "accuracy_band_filter", "aggregate", "apply_kl_penalty",
-    "chunked_token_logprobs", "chunked_token_logprobs_and_entropy", "compute_advantages",
-    "discounted_returns", "dynamic_sampling_filter", "entropy_loss", "gae_advantages", "gae_step",
-    "get_advantage_estimator", "kl_loss", "kl_penalty", "last_token_onehot",
-    "list_advantage_estimators", "log_ratio", "loss_denominator", "masked_mean", "masked_sum",
-    "masked_var", "masked_whiten", "policy_loss", "ppo_clip_loss", "register_advantage_estimator",
-    "starpo_s_filter", "token_entropy", "token_logprobs", "value_loss",
+    "KL_TYPES",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "AdvantageConfig",
+    "AdvantageInputs",
+    "LossTerms",
+    "PolicyLossConfig",
+    "accuracy_band_filter",
+    "aggregate",
+    "apply_kl_penalty",
+    "chunked_token_logprobs",
+    "chunked_token_logprobs_and_entropy",
+    "compute_advantages",
+    "discounted_returns",
+    "dynamic_sampling_filter",
+    "entropy_loss",
+    "estimator_inputs",
+    "uses_group_baseline",
+    "estimator_requirements",
+    "gae_advantages",
+    "gae_step",
+    "get_advantage_estimator",
+    "kl_loss",
+    "kl_penalty",
+    "last_token_onehot",
+    "list_advantage_estimators",
+    "list_critic_estimators",
+    "log_ratio",
+    "loss_denominator",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "needs_critic",
+    "policy_loss",
+    "policy_loss_ratio_type",
+    "ppo_clip_loss",
+    "register_advantage_estimator",
+    "starpo_s_filter",
+    "token_entropy",
+    "token_logprobs",
+    "value_loss",
 ]

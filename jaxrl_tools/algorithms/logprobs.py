@@ -2,7 +2,8 @@
 
 Alignment: ``targets_BT[b, t]`` is the token whose log-prob is read from ``logits_BTV[b, t]``
 (the caller shifts: logits at position t predict token t+1). ``loss_mask_BT`` is 1 on model
-tokens; results are exactly 0 at masked positions, and so is their gradient.
+tokens; results are exactly 0 at masked positions, and so is their gradient. ``targets_BT``
+must be integer token ids and ``loss_mask_BT`` exactly the logits' [B, T] (else a ValueError).
 
 The chunked variant takes the final hidden states ``h_BTD`` and the LM head ``W_DV``
 (logits = h @ W, see ``jaxrl_tools.models.hidden_states`` / ``unembed``) and walks the sequence
@@ -14,33 +15,46 @@ holds more than one [B, chunk, V] float32 block (plus dW), instead of [B, T, V].
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
 
+from jaxrl_tools.algorithms._checks import check_int, check_ndim, check_shape, shape_of
+
 f32 = jnp.float32
 
 
-def _check_targets(name: str, targets_BT, loss_mask_BT, lead_shape) -> None:
-    if targets_BT.shape != tuple(lead_shape):
-        raise ValueError(f"targets_BT shape {targets_BT.shape} != {name} leading shape "
-                         f"{tuple(lead_shape)}")
-    if loss_mask_BT.shape != targets_BT.shape:
-        raise ValueError(f"loss_mask_BT shape {loss_mask_BT.shape} != targets_BT shape "
-                         f"{targets_BT.shape}")
+def _check_inputs(fn: str, name: str, x, layout: str, targets_BT, loss_mask_BT) -> None:
+    """``x`` ([B, T, V] logits or [B, T, D] hidden states) and the [B, T] targets and mask."""
+    check_ndim(fn, name, x, layout)
+    lead = shape_of(x)[:2]
+    why = f"the leading [B, T] of {name} {shape_of(x)}"
+    if targets_BT is not None:
+        check_shape(fn, "targets_BT", targets_BT, lead, why)
+        check_int(fn, "targets_BT", targets_BT, "token ids")
+    check_shape(fn, "loss_mask_BT", loss_mask_BT, lead, why)
 
 
 def _logp_entropy_from_logits(logits_BTV, targets_BT, temperature):
     logits = logits_BTV.astype(f32) / temperature
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    tgt = jnp.take_along_axis(logits, targets_BT[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    probs = jnp.exp(logits - lse[..., None])
-    entropy = lse - jnp.sum(probs * logits, axis=-1)
+    # Shift by the (constant) row max first: both results are shift-invariant, and H = lse − Σ p·z
+    # cancels far less float32 precision on z − max ≤ 0 than on the raw logits.
+    z = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    lse = jnp.log(jnp.sum(jnp.exp(z), axis=-1))
+    tgt = jnp.take_along_axis(z, targets_BT[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    probs = jnp.exp(z - lse[..., None])
+    entropy = lse - jnp.sum(probs * z, axis=-1)
     return tgt - lse, entropy
 
 
-def token_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array, loss_mask_BT: jax.Array, *,
-                   temperature: float = 1.0) -> jax.Array:
+def token_logprobs(
+    logits_BTV: jax.Array,
+    targets_BT: jax.Array,
+    loss_mask_BT: jax.Array,
+    *,
+    temperature: float = 1.0,
+) -> jax.Array:
     """log softmax(logits / temperature)[target] per token, float32, 0 where loss_mask is 0.
 
     Args:
@@ -51,13 +65,14 @@ def token_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array, loss_mask_BT: j
     Returns:
       logp_BT: [B, T] float32.
     """
-    _check_targets("logits_BTV", targets_BT, loss_mask_BT, logits_BTV.shape[:2])
+    _check_inputs("token_logprobs", "logits_BTV", logits_BTV, "[B, T, V]", targets_BT, loss_mask_BT)
     logp, _ = _logp_entropy_from_logits(logits_BTV, targets_BT, temperature)
     return jnp.where(loss_mask_BT > 0, logp, 0.0)
 
 
-def token_entropy(logits_BTV: jax.Array, loss_mask_BT: jax.Array, *,
-                  temperature: float = 1.0) -> jax.Array:
+def token_entropy(
+    logits_BTV: jax.Array, loss_mask_BT: jax.Array, *, temperature: float = 1.0
+) -> jax.Array:
     """Entropy logsumexp(z) - sum softmax(z) z per token, float32, 0 where loss_mask is 0.
 
     Args:
@@ -67,9 +82,7 @@ def token_entropy(logits_BTV: jax.Array, loss_mask_BT: jax.Array, *,
     Returns:
       entropy_BT: [B, T] float32.
     """
-    if loss_mask_BT.shape != logits_BTV.shape[:2]:
-        raise ValueError(f"loss_mask_BT shape {loss_mask_BT.shape} != logits_BTV leading shape "
-                         f"{logits_BTV.shape[:2]}")
+    _check_inputs("token_entropy", "logits_BTV", logits_BTV, "[B, T, V]", None, loss_mask_BT)
     dummy = jnp.zeros(loss_mask_BT.shape, jnp.int32)
     _, ent = _logp_entropy_from_logits(logits_BTV, dummy, temperature)
     return jnp.where(loss_mask_BT > 0, ent, 0.0)
@@ -80,9 +93,15 @@ def _chunk_logp_entropy(W_DV, temperature, h_BCD, tgt_BC):
     return _logp_entropy_from_logits(logits, tgt_BC, temperature)
 
 
-def chunked_token_logprobs_and_entropy(h_BTD: jax.Array, W_DV: jax.Array, targets_BT: jax.Array,
-                                       loss_mask_BT: jax.Array, *, chunk_size: int = 256,
-                                       temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+def chunked_token_logprobs_and_entropy(
+    h_BTD: jax.Array,
+    W_DV: jax.Array,
+    targets_BT: jax.Array,
+    loss_mask_BT: jax.Array,
+    *,
+    chunk_size: int = 256,
+    temperature: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
     """Token log-probs and entropies from hidden states without materialising [B, T, V].
 
     Equal (values and gradients wrt ``h_BTD`` and ``W_DV``) to
@@ -98,12 +117,17 @@ def chunked_token_logprobs_and_entropy(h_BTD: jax.Array, W_DV: jax.Array, target
     Returns:
       (logp_BT, entropy_BT), both [B, T] float32 and 0 where loss_mask is 0.
     """
+    fn = "chunked_token_logprobs_and_entropy"
+    _check_inputs(fn, "h_BTD", h_BTD, "[B, T, D]", targets_BT, loss_mask_BT)
     B, T, D = h_BTD.shape
-    if W_DV.ndim != 2 or W_DV.shape[0] != D:
-        raise ValueError(f"W_DV shape {W_DV.shape} does not match h_BTD hidden size {D}")
-    _check_targets("h_BTD", targets_BT, loss_mask_BT, (B, T))
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    check_ndim(fn, "W_DV", W_DV, "[D, V]")
+    if W_DV.shape[0] != D:
+        raise ValueError(
+            f"{fn}: W_DV has shape {shape_of(W_DV)}, expected [D, V] with D = {D} "
+            f"(the hidden size of h_BTD {shape_of(h_BTD)})"
+        )
+    if not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+        raise ValueError(f"{fn}: chunk_size must be an int >= 1, got {chunk_size!r}")
     C = min(chunk_size, T)
     n = -(-T // C)
     pad = n * C - T
@@ -120,10 +144,17 @@ def chunked_token_logprobs_and_entropy(h_BTD: jax.Array, W_DV: jax.Array, target
     return jnp.where(keep, logp, 0.0), jnp.where(keep, ent, 0.0)
 
 
-def chunked_token_logprobs(h_BTD: jax.Array, W_DV: jax.Array, targets_BT: jax.Array,
-                           loss_mask_BT: jax.Array, *, chunk_size: int = 256,
-                           temperature: float = 1.0) -> jax.Array:
+def chunked_token_logprobs(
+    h_BTD: jax.Array,
+    W_DV: jax.Array,
+    targets_BT: jax.Array,
+    loss_mask_BT: jax.Array,
+    *,
+    chunk_size: int = 256,
+    temperature: float = 1.0,
+) -> jax.Array:
     """Log-probs only; see ``chunked_token_logprobs_and_entropy`` (entropy is dead code, DCE'd)."""
-    logp, _ = chunked_token_logprobs_and_entropy(h_BTD, W_DV, targets_BT, loss_mask_BT,
-                                                 chunk_size=chunk_size, temperature=temperature)
+    logp, _ = chunked_token_logprobs_and_entropy(
+        h_BTD, W_DV, targets_BT, loss_mask_BT, chunk_size=chunk_size, temperature=temperature
+    )
     return logp

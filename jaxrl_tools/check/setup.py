@@ -1,0 +1,229 @@
+"""Checks of what a run sets up: tools (built, not started), rewards, devices against the mesh,
+the batch split, and output folders."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import math
+import threading
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxrl_tools import rewards, sharding, tools
+from jaxrl_tools.config import ConfigError, RunConfig
+from jaxrl_tools.rollout import declares_tools
+
+WRITE_PROBE_TIMEOUT_S = 10.0
+
+
+# ------------------------------------------------------------------------- tools and rewards
+
+
+def build_tools(cfg: RunConfig) -> list[tools.Tool]:
+    """The config's tools, built and not started (no worker pool, no index)."""
+    built = []
+    for i, spec in enumerate(cfg.tools):
+        where = f"tools[{i}]"
+        for key, value in spec.config.items():
+            if key.endswith("_path") and isinstance(value, str) and not Path(value).exists():
+                raise ConfigError(
+                    f"{where}.config.{key}={value}: no such file (give the path of the "
+                    f"{key.removesuffix('_path')} file)"
+                )
+        try:
+            tool = tools.create_tool(spec.cls, dict(spec.config))
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"{where} ({spec.cls}): {e}") from None
+        tool.name = spec.name or tool.name
+        built.append(tool)
+    return built
+
+
+def check_tools(cfg: RunConfig) -> list[tools.Tool]:
+    """The tools build, the protocol has a tool to call, and the Python sandbox can start.
+
+    Returns:
+      The built (not started) tools.
+    """
+    built = build_tools(cfg)
+    protocol = cfg.rollout.protocol
+    if protocol != "none" and not built:
+        example = (
+            "{class: search, config: {corpus_path: ...}}"
+            if "search" in protocol
+            else "{class: python}"
+        )
+        raise ConfigError(
+            f"rollout.protocol={protocol} needs a tool; add tools: [{example}] (or set "
+            "rollout.protocol=none for no tools)"
+        )
+    for i, tool in enumerate(built):
+        if isinstance(tool, tools.PythonTool):
+            missing = tools.check_isolation(tools.SandboxConfig())
+            if missing:
+                raise ConfigError(
+                    f"tools[{i}] (python): the sandbox cannot start on this machine: "
+                    f"{'; '.join(missing)}"
+                )
+    return built
+
+
+def tools_schema(cfg: RunConfig, built: Sequence[tools.Tool]) -> list[dict] | None:
+    """The declarations the prompts render (as the sampler's): function-calling protocols only."""
+    if not built or not declares_tools(cfg.rollout.protocol):
+        return None
+    return [t.schema() for t in built]
+
+
+def check_rewards(cfg: RunConfig) -> None:
+    """Every reward imports and takes its `kwargs` (checked against its signature)."""
+    for i, spec in enumerate(cfg.reward):
+        try:
+            fn = rewards.get_reward(spec.name)
+        except KeyError as e:
+            raise ConfigError(f"reward[{i}].name: {e.args[0]}") from None
+        params = inspect.signature(fn).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            continue
+        valid = [
+            n
+            for n, p in params.items()
+            if n not in ("response", "ground_truth", "info") and p.kind is not p.VAR_POSITIONAL
+        ]
+        for key in spec.kwargs:
+            if key not in valid:
+                hint = difflib.get_close_matches(str(key), valid, n=1)
+                extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+                raise ConfigError(
+                    f"reward[{i}].kwargs has unknown key {key!r} for reward {spec.name!r}"
+                    f"{extra}; valid keys: {valid}"
+                )
+
+
+# ------------------------------------------------------------------------- devices, batches
+
+
+def check_mesh(cfg: RunConfig) -> tuple[tuple[int, int, int], int, list[str]]:
+    """The mesh fits the visible devices.
+
+    Returns:
+      ((data, fsdp, tensor) the run will use, visible device count, warnings).
+    """
+    sharding.initialize_distributed()
+    n = jax.device_count()
+    shape = cfg.trainer.mesh_shape
+    if shape is None:
+        return (1, n, 1), n, []
+    if shape == (1, 1, 1):
+        warn = [] if n == 1 else [f"trainer.mesh=1x1x1 uses 1 of the {n} visible devices"]
+        return shape, n, warn
+    if math.prod(shape) != n:
+        kind = jax.devices()[0].platform
+        raise ConfigError(
+            f"trainer.mesh={cfg.trainer.mesh} needs {math.prod(shape)} devices, but {n} {kind} "
+            f"device(s) are visible: set trainer.mesh to a DATAxFSDPxTENSOR shape whose product "
+            f"is {n} (e.g. 1x{n}x1), or auto"
+        )
+    return shape, n, []
+
+
+def _largest_divisor(n: int, cap: int) -> int:
+    return max(k for k in range(1, min(n, cap) + 1) if n % k == 0)
+
+
+def check_batch(cfg: RunConfig, mesh_shape: tuple[int, int, int]) -> None:
+    """Each RL step's sequences split into mini-batches of micro-batches, and over the devices
+    of the mesh's batch axes."""
+    o, d, r = cfg.optim, cfg.data, cfg.rollout
+    rows = d.batch_size * r.group_size
+    split = o.num_mini_batches * o.micro_batch_size
+    if rows % split:
+        if rows % o.num_mini_batches == 0:
+            mbs = _largest_divisor(rows // o.num_mini_batches, o.micro_batch_size)
+            fix = f"e.g. optim.micro_batch_size={mbs}"
+        else:
+            fix = f"e.g. optim.num_mini_batches={_largest_divisor(rows, o.num_mini_batches)}"
+        raise ConfigError(
+            f"data.batch_size x rollout.group_size = {d.batch_size} x {r.group_size} = {rows} "
+            f"sequences do not split into optim.num_mini_batches x optim.micro_batch_size = "
+            f"{o.num_mini_batches} x {o.micro_batch_size}: make {rows} a multiple of {split}, "
+            f"{fix}"
+        )
+    axes = sharding.logical_to_spec(("batch",), None)[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    sizes = dict(zip(sharding.MESH_AXES, mesh_shape, strict=True))
+    n = math.prod(sizes[a] for a in axes)
+    for what, size in (
+        ("data.batch_size x rollout.group_size", rows),
+        ("optim.micro_batch_size", o.micro_batch_size),
+    ):
+        if size % n:
+            raise ConfigError(
+                f"{what} = {size} does not split over the {n} devices of the mesh's batch axes "
+                f"{'x'.join(axes)} (trainer.mesh={'x'.join(map(str, mesh_shape))}): make it a "
+                f"multiple of {n}"
+            )
+
+
+# ---------------------------------------------------------------------------- output folders
+
+
+def check_writable(path: str, field: str, *, timeout_s: float = WRITE_PROBE_TIMEOUT_S) -> None:
+    """`path` is a folder that takes a file: a probe file is created and removed (and any
+    folders created for it), within `timeout_s` (a hung mount is an error, not a hang)."""
+    result: dict[str, Any] = {}
+
+    def probe():
+        created = []
+        try:
+            p = Path(path).absolute()
+            if p.exists() and not p.is_dir():
+                result["error"] = "it is a file"
+                return
+            q = p
+            while not q.exists():
+                created.append(q)
+                q = q.parent
+            p.mkdir(parents=True, exist_ok=True)
+            f = p / f".jaxrl_tools_probe_{uuid.uuid4().hex}"
+            f.write_bytes(b"")
+            f.unlink()
+        except OSError as e:
+            result["error"] = e.strerror or str(e)
+        finally:
+            for c in created:  # deepest first: leave no folder behind
+                try:
+                    c.rmdir()
+                except OSError:
+                    pass
+            result["done"] = True
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not result.get("done"):
+        raise ConfigError(
+            f"{field}={path}: the file system did not answer in {timeout_s:g} s (a hung "
+            "mount?): give a local folder"
+        )
+    if "error" in result:
+        raise ConfigError(
+            f"{field}={path} is not writable ({result['error']}): give a folder you can write to"
+        )
+
+
+def check_new_output(out: str, flag: str = "--out") -> None:
+    """`out` (a Hugging Face folder to write) is new or an empty folder: nothing is overwritten."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag} {out} is an existing file: give a new folder")
+    if p.is_dir() and any(p.iterdir()):
+        raise ConfigError(
+            f"{flag} {out} is a folder that is not empty: give a new or empty folder (nothing "
+            "is overwritten)"
+        )

@@ -1,0 +1,68 @@
+"""The demo's report: the SFT policy against the RL policy (and a baseline RL run) on held-out
+problems, as a markdown table with accuracy and tool use by difficulty."""
+
+from __future__ import annotations
+
+
+def _report_row(name: str, m: dict) -> str:
+    levels = sorted(k.split("/")[1] for k in m if k.startswith("level/") and k.endswith("/tool"))
+    by_level = ", ".join(
+        f"L{lv}: {m[f'level/{lv}/accuracy'] * 100:.0f}% / {m[f'level/{lv}/tool'] * 100:.0f}%"
+        for lv in levels
+    )
+    return (
+        f"| {name} | {m['reward/accuracy'] * 100:.1f}% | {m['tools/used_frac'] * 100:.1f}% | "
+        f"{m['tools/calls_per_response']:.2f} | {m['tools/error_rate']:.2f} | {by_level} |"
+    )
+
+
+def _productivity(m: dict) -> str:
+    """OTC's tool productivity: correct answers per tool call."""
+    calls = m["tools/calls_per_response"]
+    return f"{m['reward/accuracy'] / calls:.2f}" if calls else "n/a (no calls)"
+
+
+def demo_report(summary: dict, baseline: dict | None = None) -> str:
+    """The demo's report: the SFT policy vs the RL policy (and a baseline RL run) on held-out
+    problems."""
+    b, a = summary["before"], summary["after"]
+    acc_b, acc_a = b["reward/accuracy"] * 100, a["reward/accuracy"] * 100
+    tool_b, tool_a = b["tools/used_frac"] * 100, a["tools/used_frac"] * 100
+    name = f"SFT + RL ({summary['reward_name']})"
+    lines = [
+        f"# jaxrl-tools demo: {summary['run_name']}",
+        "",
+        f"Held-out problems: {a['num_problems']} ({summary['eval_desc']}, sandboxed Python tool).",
+        "",
+        "| policy | accuracy | responses calling the tool | tool calls / response | "
+        "tool error rate | by difficulty (accuracy / tool use) |",
+        "| --- | --- | --- | --- | --- | --- |",
+        _report_row("SFT (before RL)", b),
+    ]
+    if baseline is not None:
+        lines.append(_report_row(f"SFT + RL ({baseline['reward_name']})", baseline["after"]))
+    lines += [
+        _report_row(name, a),
+        "",
+        f"RL ({summary['reward_name']}) changed held-out accuracy by {acc_a - acc_b:+.1f} points "
+        f"({acc_b:.1f}% -> {acc_a:.1f}%) and the tool-call rate by {tool_a - tool_b:+.1f} points.",
+    ]
+    if baseline is not None:
+        base = baseline["after"]
+        calls, base_calls = a["tools/calls_per_response"], base["tools/calls_per_response"]
+        change = f" ({(calls / base_calls - 1) * 100:+.0f}%)" if base_calls else ""
+        lines.append(
+            f"Against RL with {baseline['reward_name']} from the same SFT policy: accuracy "
+            f"{(a['reward/accuracy'] - base['reward/accuracy']) * 100:+.1f} points, tool calls "
+            f"per response {calls:.2f} vs {base_calls:.2f}{change}, tool productivity (correct "
+            f"answers per tool call) {_productivity(a)} vs {_productivity(base)}."
+        )
+    lines += ["", "Examples after RL:"]
+    for ex in a.get("_examples", []):
+        lines.append(
+            f"- {ex['prompt']!r} -> {ex['response']!r} (answer {ex['ground_truth']}, "
+            f"score {ex['score']:g})"
+        )
+    if summary.get("plot"):
+        lines += ["", f"Training curves: {summary['plot']}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,68 @@
+"""Held-out evaluation: a sampler and a reward, nothing of the trainer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrl_tools.rewards import CompositeReward, is_correct
+from jaxrl_tools.train.batch import rollout_metrics, score_trajectories
+from jaxrl_tools.types import Record, Sampler
+
+
+def evaluate(
+    sampler: Sampler,
+    params: Any,
+    records: Sequence[Record],
+    reward: CompositeReward,
+    *,
+    group_size: int = 1,
+    temperature: float = 0.0,
+    batch_size: int = 32,
+    seed: int = 0,
+) -> dict:
+    """Accuracy (by the reward's answer checker), pass@G, tool use and reward on `records`.
+
+    Args:
+      sampler: records -> trajectories.
+      params: the policy.
+      records: held-out prompts with their ground truth (and optional "difficulty").
+      reward: the run's reward (its terms are reported; accuracy uses `reward.correctness`).
+      group_size: samples per problem (pass@G when > 1).
+      temperature: 0 = greedy.
+      batch_size: prompts per sampler call.
+      seed: base seed of the sampler calls.
+    """
+    g = group_size
+    trajs = []
+    for i in range(0, len(records), batch_size):
+        trajs += sampler(
+            records[i : i + batch_size], g, params, temperature=temperature, seed=seed + i
+        )
+    gts = [records[i // g].get("ground_truth") for i in range(len(trajs))]
+    scores, parts = score_trajectories(reward, records, trajs, g)
+    metrics = rollout_metrics(trajs, scores, parts)
+    metrics["num_problems"] = len(records)
+    kind = reward.correctness
+    correct = np.array([is_correct(t.response_text, gt, kind) for t, gt in zip(trajs, gts)])
+    used = np.array([t.num_tool_calls > 0 for t in trajs])
+    metrics["reward/accuracy"] = float(correct.mean())
+    if g > 1:  # pass@g: any of a problem's g samples correct
+        metrics[f"reward/pass@{g}"] = float(correct.reshape(-1, g).any(axis=1).mean())
+    levels = np.array([records[i // g].get("difficulty", -1) for i in range(len(trajs))])
+    for lv in sorted(set(levels.tolist()) - {-1}):
+        sel = levels == lv
+        metrics[f"level/{lv}/accuracy"] = float(correct[sel].mean())
+        metrics[f"level/{lv}/tool"] = float(used[sel].mean())
+    metrics["_examples"] = [
+        {
+            "prompt": records[i // g].get("prompt"),
+            "response": trajs[i].response_text,
+            "ground_truth": gts[i],
+            "score": float(scores[i]),
+        }
+        for i in range(min(3, len(trajs)))
+    ]
+    return metrics

@@ -1,0 +1,165 @@
+"""The only prompt renderer: a record's prompt through the tokenizer's chat template with its
+tool declarations, the template's own markup for tool and environment turns, and prompt lengths.
+
+    tok = load_tokenizer("runs/demo/tokenizer")
+    text = render_prompt(tok, record, tools_schema, system_prompt)
+    ids = encode_prompt(tok, record, tools_schema, system_prompt, max_len=512)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from jaxrl_tools.data import DataError
+
+
+def _schema_name(schema: Mapping) -> str | None:
+    fn = schema.get("function", schema)
+    return fn.get("name") if isinstance(fn, Mapping) else None
+
+
+def select_tools(record_tools: Any, tools_schema: Any) -> list[dict] | None:
+    """The tool declarations for one record.
+
+    Args:
+      record_tools: the record's `tools` (None, a list of tool names, or a list of schemas).
+      tools_schema: all available declarations (a list of JSON schemas, or a name -> schema
+        mapping), or None.
+
+    Returns:
+      The schemas to render (None = no tools). A record that names tools gets those (an unknown
+      name is a DataError); a record with its own schemas uses them; a record without `tools`
+      gets all of `tools_schema`.
+    """
+    if isinstance(tools_schema, Mapping):
+        by_name = dict(tools_schema)
+    else:
+        by_name = {_schema_name(s): s for s in (tools_schema or [])}
+    if record_tools is None:
+        return list(by_name.values()) or None
+    out = []
+    for t in record_tools:
+        if isinstance(t, Mapping):
+            out.append(dict(t))
+        elif t in by_name:
+            out.append(by_name[t])
+        else:
+            raise DataError(f"record names unknown tool {t!r}; declared tools: {sorted(by_name)}")
+    return out or None
+
+
+def prompt_messages(record: Mapping[str, Any], system_prompt: str | None = None) -> list[dict]:
+    """The record's prompt as chat messages, with `system_prompt` first unless it has one."""
+    prompt = record["prompt"]
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and (not msgs or msgs[0].get("role") != "system"):
+        msgs = [{"role": "system", "content": system_prompt}] + msgs
+    return msgs
+
+
+def render_prompt(
+    tokenizer,
+    record: Mapping[str, Any],
+    tools_schema: Any = None,
+    system_prompt: str | None = None,
+) -> str:
+    """Apply the tokenizer's chat template to a record's prompt, with its tool declarations,
+    ending with the assistant generation prompt.
+
+    Args:
+      tokenizer: an HF tokenizer with a chat template.
+      record: a record from `RecordSource` (or any mapping with "prompt" and optional "tools").
+      tools_schema: available tool declarations (see `select_tools`); None = no tools.
+      system_prompt: optional system message (the record's own system message wins).
+
+    Returns:
+      The prompt text (tokenize with add_special_tokens=False).
+    """
+    tools = select_tools(record.get("tools"), tools_schema) if tools_schema is not None else None
+    if tools_schema is None and record.get("tools"):
+        # A record may carry full schemas itself.
+        if all(isinstance(t, Mapping) for t in record["tools"]):
+            tools = [dict(t) for t in record["tools"]]
+    return tokenizer.apply_chat_template(
+        prompt_messages(record, system_prompt),
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+
+
+def chat_continuation(tokenizer, role: str, contents: Sequence[str]) -> str:
+    """The text the tokenizer's chat template puts after an assistant turn for `role` messages
+    (tool results, or an environment's user turn), up to the next assistant generation prompt.
+
+    For Qwen: "<|im_end|>\n<|im_start|>user\n<tool_response>\n...\n</tool_response><|im_end|>
+    \n<|im_start|>assistant\n". The template is the only owner of turn markup: SFT traces
+    (rendered whole by it) and rollouts (which append this) see the same text.
+    """
+    marker = "\u2063jaxrl-assistant-turn\u2063"
+    msgs = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}]
+    msgs += [{"role": role, "content": c} for c in contents]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return text[text.index(marker) + len(marker) :]
+
+
+def encode_prompt(
+    tokenizer,
+    record: Mapping[str, Any],
+    tools_schema: Any = None,
+    system_prompt: str | None = None,
+    *,
+    max_len: int | None = None,
+) -> list[int]:
+    """`render_prompt` tokenized; a prompt over `max_len` tokens is a DataError naming it."""
+    ids = tokenizer.encode(
+        render_prompt(tokenizer, record, tools_schema, system_prompt), add_special_tokens=False
+    )
+    if max_len is not None and len(ids) > max_len:
+        name = record.get("id", record.get("prompt"))
+        raise DataError(
+            f"prompt of record {name!r} has {len(ids)} tokens, more than "
+            f"rollout.max_prompt_len={max_len}"
+        )
+    return list(ids)
+
+
+def prompt_lengths(
+    tokenizer,
+    records: Sequence[Mapping[str, Any]],
+    tools_schema: Any = None,
+    system_prompt: str | None = None,
+) -> list[int]:
+    """Token counts of the records' rendered prompts (`encode_prompt`, no length limit)."""
+    return [len(encode_prompt(tokenizer, r, tools_schema, system_prompt)) for r in records]
+
+
+def fit_prompts(
+    records: Sequence[Mapping[str, Any]], lengths: Sequence[int], max_len: int
+) -> tuple[list, list[tuple[Any, int]]]:
+    """Splits records by prompt length.
+
+    Returns:
+      (the records whose prompt has at most `max_len` tokens, in order; (record, length) of the
+      others).
+    """
+    kept, dropped = [], []
+    for rec, n in zip(records, lengths, strict=True):
+        if n <= max_len:
+            kept.append(rec)
+        else:
+            dropped.append((rec, n))
+    return kept, dropped
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """A Hugging Face tokenizer folder (tokenizer.json), as a `transformers` fast tokenizer."""
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {path}")
+    return AutoTokenizer.from_pretrained(str(path))

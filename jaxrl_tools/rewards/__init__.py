@@ -1,0 +1,73 @@
+"""Rule-based rewards, chosen by name from one registry and composed (`CompositeReward`).
+
+Importing the package registers every reward: outcome (math, qa_em, format, exec_penalty,
+tool_success, retool, dapo_overlong), tool calls (toolrl, tool_n1) and OTC (otc_ppo, otc_grpo).
+"""
+
+from jaxrl_tools.rewards.answers import (
+    CORRECTNESS_CHECKERS,
+    is_correct,
+    last_answer_tag,
+    last_boxed,
+    math_correct,
+    math_equal,
+    normalize_answer,
+    qa_correct,
+    tags_in_order,
+)
+from jaxrl_tools.rewards.otc import (
+    otc_grpo_reward,
+    otc_grpo_tool_reward,
+    otc_map,
+    otc_ppo_reward,
+    otc_ppo_tool_reward,
+)
+from jaxrl_tools.rewards.outcome import (
+    dapo_overlong_reward,
+    exec_penalty_reward,
+    format_reward,
+    math_reward,
+    qa_em_reward,
+    retool_reward,
+    tool_success_reward,
+)
+from jaxrl_tools.rewards.registry import (
+    CompositeReward,
+    TrajectoryInfo,
+    get_reward,
+    register_reward,
+    registered_rewards,
+)
+from jaxrl_tools.rewards.tool_calls import tool_n1_reward, toolrl_correctness, toolrl_reward
+
+__all__ = [
+    "CORRECTNESS_CHECKERS",
+    "CompositeReward",
+    "TrajectoryInfo",
+    "get_reward",
+    "is_correct",
+    "last_answer_tag",
+    "last_boxed",
+    "math_correct",
+    "math_equal",
+    "normalize_answer",
+    "qa_correct",
+    "register_reward",
+    "registered_rewards",
+    "tags_in_order",
+    "toolrl_correctness",
+    "otc_grpo_tool_reward",
+    "otc_map",
+    "otc_ppo_tool_reward",
+    "otc_ppo_reward",
+    "otc_grpo_reward",
+    "math_reward",
+    "qa_em_reward",
+    "format_reward",
+    "exec_penalty_reward",
+    "tool_success_reward",
+    "retool_reward",
+    "dapo_overlong_reward",
+    "toolrl_reward",
+    "tool_n1_reward",
+]

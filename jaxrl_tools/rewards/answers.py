@@ -1,0 +1,160 @@
+"""Answer extraction and checking: the last \\boxed{}, <answer> tags, exact match, tag order."""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import string
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from math_verify import parse, verify
+
+# --------------------------------------------------------------------------------------------
+# Answer extraction and checking
+# --------------------------------------------------------------------------------------------
+
+_BOXED_RE = re.compile(r"\\(?:boxed|fbox)")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}, or "\\boxed 5") with nested braces.
+
+    Returns None when there is none or its braces never close.
+    """
+    starts = [m.end() for m in _BOXED_RE.finditer(text)]
+    for start in reversed(starts):
+        i = start
+        if i < len(text) and text[i] == " ":  # "\boxed 42": up to the next space or $
+            m = re.match(r" +([^\s$]+)", text[i:])
+            if m:
+                return m.group(1)
+            continue
+        while i < len(text) and text[i] in "\t\n":
+            i += 1
+        if i >= len(text) or text[i] != "{":
+            continue
+        depth, j = 0, i
+        while j < len(text):
+            c = text[j]
+            if c == "\\" and j + 1 < len(text) and text[j + 1] in "{}":
+                j += 2  # "\{" / "\}" are literal braces
+                continue
+            if c == "{":
+                depth += 1
+            elif c == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[i + 1 : j]
+            j += 1
+        # unbalanced: try an earlier one
+    return None
+
+
+_NUM_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+
+
+def _as_number(s: str) -> float | None:
+    s = s.strip().strip("$").replace(",", "").replace("\\!", "").replace(" ", "")
+    s = s.removeprefix("\\text{").removesuffix("}") if s.startswith("\\text{") else s
+    return float(s) if _NUM_RE.match(s) else None
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@functools.lru_cache(maxsize=65536)
+def _math_equal_cached(pred: str, gold: str, main_thread: bool) -> bool:
+    a, b = _as_number(pred), _as_number(gold)
+    if a is not None and b is not None:  # fast path: plain numbers
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+    # signal-based timeouts only work in the main thread; worker threads run without.
+    timeout = 5 if main_thread else None
+    gold_p = parse(f"\\boxed{{{gold}}}", parsing_timeout=timeout)
+    if not gold_p:
+        gold_p = parse(gold, parsing_timeout=timeout)
+    pred_p = parse(f"\\boxed{{{pred}}}", parsing_timeout=timeout)
+    if not gold_p or not pred_p:
+        return pred.strip() == gold.strip()
+    return bool(verify(gold_p, pred_p, timeout_seconds=timeout))
+
+
+def math_equal(pred: str, gold: Any) -> bool:
+    """Mathematical equivalence of two answers (numbers fast, else math-verify)."""
+    gold_s = str(gold).strip()
+    inner = last_boxed(gold_s)  # a ground truth given as "\boxed{...}"
+    if inner is not None:
+        gold_s = inner
+    return _math_equal_cached(pred.strip(), gold_s, _in_main_thread())
+
+
+def math_correct(response: str, ground_truth: Any) -> bool:
+    """True iff the last \\boxed{} of `response` is equivalent to the ground truth."""
+    pred = last_boxed(response)
+    return pred is not None and math_equal(pred, ground_truth)
+
+
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def last_answer_tag(text: str) -> str | None:
+    """Content of the last <answer>...</answer>, or None."""
+    found = _ANSWER_RE.findall(text)
+    return found[-1] if found else None
+
+
+def normalize_answer(s: str) -> str:
+    """SQuAD / Search-R1 normalisation: lower, drop punctuation and articles, squash spaces."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def _qa_targets(ground_truth: Any) -> list[str]:
+    if isinstance(ground_truth, Mapping):  # Search-R1 data: {"target": [...]}
+        ground_truth = ground_truth.get("target", ground_truth.get("answers", []))
+    if isinstance(ground_truth, str):
+        return [ground_truth]
+    return [str(g) for g in ground_truth]
+
+
+def qa_correct(response: str, ground_truth: Any) -> bool:
+    """Normalised exact match of the last <answer> against any of the ground-truth strings."""
+    pred = last_answer_tag(response)
+    if pred is None:
+        return False
+    pred_n = normalize_answer(pred)
+    return any(pred_n == normalize_answer(t) for t in _qa_targets(ground_truth))
+
+
+CORRECTNESS_CHECKERS: dict[str, Callable[[str, Any], bool]] = {
+    "math": math_correct,
+    "qa_em": qa_correct,
+}
+
+
+def is_correct(response: str, ground_truth: Any, kind: str = "math") -> bool:
+    """Correctness by checker name ("math": last \\boxed{}, "qa_em": last <answer>)."""
+    if kind not in CORRECTNESS_CHECKERS:
+        raise KeyError(
+            f"unknown correctness checker {kind!r}; known: {sorted(CORRECTNESS_CHECKERS)}"
+        )
+    return CORRECTNESS_CHECKERS[kind](response, ground_truth)
+
+
+def tags_in_order(text: str, tags: Sequence[str]) -> bool:
+    """True iff each <tag>...</tag> appears, each opening after the previous one's close."""
+    pos = 0
+    for tag in tags:
+        start = text.find(f"<{tag}>", pos)
+        if start < 0:
+            return False
+        end = text.find(f"</{tag}>", start + len(tag) + 2)
+        if end < 0:
+            return False
+        pos = end + len(tag) + 3
+    return True

@@ -1,0 +1,271 @@
+"""Rule-based rewards, computed on the host, chosen by name from a registry and composed.
+
+Each reward is a function `fn(response, ground_truth, info, **kwargs) -> float` where
+`response` is the decoded model text of one trajectory (observations included, as the
+papers score it), `ground_truth` is the record's answer (a string / number / list / dict,
+depending on the reward) and `info` a `TrajectoryInfo` (tool-call records, counts, length and,
+for group rewards, the group's call counts and correctness).
+
+    reward = CompositeReward([("math", 1.0, {}), ("dapo_overlong", 1.0, {"max_len": 1024,
+                                                                       "buffer": 256})])
+    totals_N, parts = reward.batch(responses, ground_truths, infos, group_ids=group_ids)
+
+Formulas: docs/METHODS.md, "Rewards"; the papers are cited at each function.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from jaxrl_tools.rewards.answers import CORRECTNESS_CHECKERS, is_correct
+
+RewardFn = Callable[..., float]
+
+
+@dataclass(frozen=True)
+class TrajectoryInfo:
+    """What a reward may need besides the text.
+
+    Attributes:
+      tool_calls: one record per executed tool call; anything with an `ok` attribute or key
+        (e.g. the rollout's records or `jaxrl_tools.tools.Observation`). ok=False = it failed.
+      num_calls: number of tool calls the model made (default: len(tool_calls)).
+      num_turns: messages as verl counts them: the prompt, every model turn and every tool or
+        environment turn (2 = a plain answer, 4 = one tool round).
+      response_length: response length in tokens (model + observation tokens).
+      group_num_calls: the tool-call counts of every response of this prompt's group
+        (OTC-GRPO); filled by `CompositeReward.batch` when group_ids are given.
+      group_correct: correctness of every response of the group, aligned with group_num_calls.
+      extra: anything else (per-dataset fields).
+    """
+
+    tool_calls: Sequence[Any] = ()
+    num_calls: int | None = None
+    num_turns: int = 2
+    response_length: int = 0
+    group_num_calls: Sequence[int] | None = None
+    group_correct: Sequence[bool] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def calls(self) -> int:
+        return len(self.tool_calls) if self.num_calls is None else int(self.num_calls)
+
+
+def _record_ok(rec: Any) -> bool:
+    if isinstance(rec, Mapping):
+        return bool(rec.get("ok", True))
+    return bool(getattr(rec, "ok", True))
+
+
+# --------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, RewardFn] = {}
+_SLOW: set[str] = set()
+_GROUP: set[str] = set()
+
+
+def register_reward(name: str, *, slow: bool = False, group: bool = False):
+    """Register `fn(response, ground_truth, info, **kwargs) -> float` under `name`.
+
+    Args:
+      name: registry name (used in configs: `reward: [{name: ..., weight: ..., kwargs: ...}]`).
+      slow: run it in the batch API's worker pool (e.g. symbolic math checking).
+      group: it needs the group context (info.group_num_calls / group_correct).
+    """
+
+    def deco(fn: RewardFn) -> RewardFn:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"reward {name!r} is already registered")
+        _REGISTRY[name] = fn
+        if slow:
+            _SLOW.add(name)
+        if group:
+            _GROUP.add(name)
+        return fn
+
+    return deco
+
+
+def registered_rewards() -> list[str]:
+    """Names of all registered rewards, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_reward(name: str) -> RewardFn:
+    """Look up a reward by registry name, or import it from "package.module:function"."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise KeyError(f"cannot import reward {name!r}: {e}") from e
+    raise KeyError(f"unknown reward {name!r}; registered: {registered_rewards()}")
+
+
+# --------------------------------------------------------------------------------------------
+# Composition and the batch API
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Term:
+    name: str
+    weight: float
+    kwargs: dict
+    fn: RewardFn
+    slow: bool
+    group: bool
+
+
+def _call_term(term: _Term, response: str, gt: Any, info: TrajectoryInfo) -> float:
+    return float(term.fn(response, gt, info, **term.kwargs))
+
+
+class CompositeReward:
+    """A weighted sum of registered rewards.
+
+    Args:
+      terms: (name, weight, kwargs) triples, or objects/dicts with name/weight/kwargs
+        (e.g. config.RewardSpec).
+      max_workers: worker count of the batch API's pool for slow rewards.
+      executor: "thread" (default; math-verify runs without its signal timeout) or "process"
+        (true parallelism for CPU-bound checking; rewards must be importable module functions).
+    """
+
+    def __init__(self, terms: Sequence[Any], *, max_workers: int = 4, executor: str = "thread"):
+        if executor not in ("thread", "process"):
+            raise ValueError(f"executor must be 'thread' or 'process', got {executor!r}")
+        self.terms: list[_Term] = []
+        for t in terms:
+            if isinstance(t, Mapping):
+                name, weight, kwargs = t["name"], t.get("weight", 1.0), t.get("kwargs", {})
+            elif isinstance(t, tuple | list):
+                name, weight, kwargs = (list(t) + [1.0, {}][len(t) - 1 :])[:3]
+            else:
+                name, weight, kwargs = t.name, t.weight, t.kwargs
+            fn = get_reward(name)
+            self.terms.append(
+                _Term(name, float(weight), dict(kwargs or {}), fn, name in _SLOW, name in _GROUP)
+            )
+        names = [t.name for t in self.terms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"CompositeReward: duplicate reward names {names}")
+        self.max_workers = max_workers
+        self.executor = executor
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.terms]
+
+    @property
+    def correctness(self) -> str:
+        """The answer checker of this reward, for accuracy whatever the reward's shaping: the
+        first term that is a checker itself ("math", "qa_em") or names one (`correctness`
+        kwarg, as OTC's do); "math" otherwise (ReTool, DAPO)."""
+        for t in self.terms:
+            kind = t.name if t.name in CORRECTNESS_CHECKERS else t.kwargs.get("correctness")
+            if kind is not None:
+                return kind
+        return "math"
+
+    def components(self, response: str, ground_truth: Any, info: TrajectoryInfo | None = None):
+        """Unweighted value of each term, by name."""
+        info = info or TrajectoryInfo()
+        return {t.name: _call_term(t, response, ground_truth, info) for t in self.terms}
+
+    def __call__(self, response: str, ground_truth: Any, info: TrajectoryInfo | None = None):
+        """The weighted sum for one trajectory."""
+        parts = self.components(response, ground_truth, info)
+        return float(sum(t.weight * parts[t.name] for t in self.terms))
+
+    def batch(
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[Any],
+        infos: Sequence[TrajectoryInfo | None] | None = None,
+        *,
+        group_ids: Sequence[Any] | None = None,
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Rewards for a batch; slow terms run in a concurrent.futures pool.
+
+        Args:
+          responses, ground_truths: aligned, length N.
+          infos: per-trajectory TrajectoryInfo (None = empty).
+          group_ids: prompt-group id of each trajectory; needed by group rewards (OTC-GRPO),
+            whose group context (call counts, correctness) is filled in here when missing.
+
+        Returns:
+          (totals_N float32, {term name: values_N float32 (unweighted)}).
+        """
+        n = len(responses)
+        if len(ground_truths) != n or (infos is not None and len(infos) != n):
+            raise ValueError("responses, ground_truths and infos must have the same length")
+        infos = [i or TrajectoryInfo() for i in (infos if infos is not None else [None] * n)]
+        parts: dict[str, np.ndarray] = {}
+        pool = None
+        try:
+            for term in self.terms:
+                term_infos = infos
+                if term.group:
+                    term_infos = self._with_group_context(
+                        term, responses, ground_truths, infos, group_ids
+                    )
+                if term.slow and n > 1 and self.max_workers > 1:
+                    if pool is None:
+                        cls = (
+                            concurrent.futures.ThreadPoolExecutor
+                            if self.executor == "thread"
+                            else concurrent.futures.ProcessPoolExecutor
+                        )
+                        pool = cls(max_workers=self.max_workers)
+                    fn = functools.partial(_call_term, term)
+                    vals = list(pool.map(fn, responses, ground_truths, term_infos))
+                else:
+                    vals = [
+                        _call_term(term, r, g, i)
+                        for r, g, i in zip(responses, ground_truths, term_infos)
+                    ]
+                parts[term.name] = np.asarray(vals, np.float32)
+        finally:
+            if pool is not None:
+                pool.shutdown()
+        totals = np.zeros((n,), np.float32)
+        for term in self.terms:
+            totals += np.float32(term.weight) * parts[term.name]
+        return totals, parts
+
+    @staticmethod
+    def _with_group_context(term, responses, ground_truths, infos, group_ids):
+        if all(i.group_num_calls is not None and i.group_correct is not None for i in infos):
+            return infos
+        if group_ids is None:
+            raise ValueError(f"reward {term.name!r} needs group_ids in CompositeReward.batch")
+        kind = term.kwargs.get("correctness", "math")
+        correct = [is_correct(r, g, kind) for r, g in zip(responses, ground_truths)]
+        members: dict[Any, list[int]] = {}
+        for idx, gid in enumerate(group_ids):
+            members.setdefault(gid, []).append(idx)
+        out = []
+        for idx, info in enumerate(infos):
+            group = members[group_ids[idx]]
+            out.append(
+                dataclasses.replace(
+                    info,
+                    group_num_calls=[infos[j].calls for j in group],
+                    group_correct=[correct[j] for j in group],
+                )
+            )
+        return out

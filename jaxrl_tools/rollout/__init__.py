@@ -1,0 +1,26 @@
+"""Rollout: the decode engine (kernels, EngineCore, the JetStream adapter in `jetstream`),
+sampling, the pure stop scan, the host-side agent loop, and the run's records -> trajectories
+sampler."""
+
+from jaxrl_tools.rollout.engine import EngineCore
+from jaxrl_tools.rollout.kernels import DecodeState, Prefix, StepOutput, next_pow2
+from jaxrl_tools.rollout.loop import BUDGET_NOTICE, RolloutLimits, arun_rollouts, run_rollouts
+from jaxrl_tools.rollout.sampler import Sampler, declares_tools, make_engine
+from jaxrl_tools.rollout.sampling import GREEDY, SamplingParams
+
+__all__ = [
+    "BUDGET_NOTICE",
+    "DecodeState",
+    "EngineCore",
+    "GREEDY",
+    "Prefix",
+    "RolloutLimits",
+    "Sampler",
+    "SamplingParams",
+    "StepOutput",
+    "arun_rollouts",
+    "declares_tools",
+    "make_engine",
+    "next_pow2",
+    "run_rollouts",
+]

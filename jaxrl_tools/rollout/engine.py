@@ -1,0 +1,439 @@
+"""The decode engine over `jaxrl_tools.models`: a fixed number of slots (rows of one KV cache of
+`max_len` positions), prefill, bucketed writes into live slots, N-step generation.
+
+It implements the methods of JetStream's Engine API; `rollout.jetstream` adds the JetStream base
+class for serving (JetStream imports TensorFlow, so the core and the rollout loop never import
+it). Lengths are bucketed to powers of two (prefill, appends, rows per append) so that jit
+compiles a handful of shapes. The state and kernels are in `rollout.kernels`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_tools import models
+from jaxrl_tools.rollout.kernels import (
+    DecodeState,
+    LogitsHook,
+    Params,
+    Prefix,
+    StepOutput,
+    generate_kernel,
+    insert_kernel,
+    next_pow2,
+    prefill_kernel,
+    write_kernel,
+)
+from jaxrl_tools.rollout.sampling import SamplingParams
+
+
+class EngineCore:
+    """The decode engine without the JetStream base class (no TensorFlow import).
+
+    `DecodeEngine` (this plus `jetstream.engine.engine_api.Engine`) is what serving uses; the
+    rollout loop accepts either.
+
+    Args:
+      config: the ModelConfig.
+      params: parameters (or None and pass `path`, loaded by `load_params`).
+      path: HF model folder for `load_params` / `from_pretrained`.
+      slots: decode slots (max concurrent sequences).
+      max_len: KV cache positions per slot (prompt + response + observations).
+      max_prefill_length: longest prefill bucket; a power of two >= 16 (JetStream's buckets).
+      tokenizer: an HF tokenizer (for the JetStream tokenizer hooks and the rollout loop).
+      mesh, rules: shard the cache (and loaded params) on this mesh by logical axes.
+      dtype: parameter dtype for `load_params`; cache_dtype: KV cache dtype.
+      sampling: default SamplingParams of a prefill that passes none.
+      seed: base seed for prefills that pass no key (folded with a request counter).
+      steps_per_generate: tokens per slot per Engine API `generate` call.
+      logits_hook: optional jittable f(logits_BV, sampled_B, hook_data) -> logits_BV applied
+        before sampling (see LogitsHook); hook_data: its data (a pytree of arrays, traced).
+      eos_token_ids: ids that end a sequence (default: the config's and the tokenizer's EOS).
+    """
+
+    def __init__(
+        self,
+        config,
+        params: Params | None = None,
+        *,
+        path: str | os.PathLike | None = None,
+        slots: int = 8,
+        max_len: int = 1024,
+        max_prefill_length: int = 512,
+        tokenizer: Any = None,
+        mesh: jax.sharding.Mesh | None = None,
+        rules: Any = None,
+        dtype: Any = jnp.float32,
+        cache_dtype: Any = jnp.float32,
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
+        steps_per_generate: int = 1,
+        logits_hook: LogitsHook | None = None,
+        hook_data: Any = None,
+        eos_token_ids: Sequence[int] | None = None,
+    ):
+        if max_prefill_length < 16 or max_prefill_length & (max_prefill_length - 1):
+            raise ValueError(
+                f"max_prefill_length must be a power of two >= 16, got {max_prefill_length}"
+            )
+        if max_prefill_length > max_len:
+            raise ValueError(f"max_prefill_length={max_prefill_length} exceeds max_len={max_len}")
+        self.config = config
+        self.params = params
+        self.path = path
+        self.slots = int(slots)
+        self.max_len = int(max_len)
+        self._max_prefill_length = int(max_prefill_length)
+        self.tokenizer = tokenizer
+        self._mesh = mesh
+        self.rules = rules
+        self.dtype = dtype
+        self.cache_dtype = cache_dtype
+        self.default_sampling = sampling or SamplingParams()
+        self.seed = seed
+        self.steps_per_generate = int(steps_per_generate)
+        self.logits_hook = logits_hook
+        self.hook_data = hook_data
+        self.eos_token_ids = tuple(self._default_eos() if eos_token_ids is None else eos_token_ids)
+        self._request_counter = 0
+        # Host mirror of which slots need the top-k/top-p sort (a static flag of the decode jit).
+        self._slot_filter = [False] * self.slots
+        self._build_jits()
+
+    def _default_eos(self) -> list[int]:
+        ids = []
+        eos = getattr(self.config, "eos_token_id", None)
+        ids += [eos] if isinstance(eos, int) else list(eos or [])
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer else None
+        if tok_eos is not None and tok_eos not in ids:
+            ids.append(tok_eos)
+        return ids
+
+    @classmethod
+    def from_pretrained(cls, path, **kwargs):
+        """Loads config + params from an HF folder (sharded on `mesh` when given)."""
+        m = models
+        config, params = m.from_pretrained(
+            path,
+            dtype=kwargs.get("dtype", jnp.float32),
+            mesh=kwargs.get("mesh"),
+            rules=kwargs.get("rules"),
+        )
+        return cls(config, params, path=path, **kwargs)
+
+    # ------------------------------------------------------------------ JetStream properties
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self.slots
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self._max_prefill_length
+
+    @property
+    def mesh(self):
+        return self._mesh
+
+    @property
+    def colocated_cpus(self):
+        return jax.local_devices(backend="cpu")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def get_prefix_destination_sharding(self) -> Any:
+        """Prefixes are small; they are replicated on the mesh (or left on the default device)."""
+        if self._mesh is None:
+            return None
+        return jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
+
+    def load_params(self, *args, **kwargs) -> Params:
+        """The engine's params, loading them from `path` (sharded on the mesh) on first use."""
+        if self.params is None:
+            if self.path is None:
+                raise ValueError("load_params: the engine was built without params or path")
+            _, self.params = models.from_pretrained(
+                self.path, dtype=self.dtype, mesh=self._mesh, rules=self.rules
+            )
+        return self.params
+
+    # ------------------------------------------------------------------ decode state
+    def init_decode_state(self, *args, **kwargs) -> DecodeState:
+        """An empty decode state: `slots` rows of `max_len` cache positions, all inactive."""
+        B, V = self.slots, self.config.vocab_size
+        cache = models.init_cache(
+            self.config,
+            B,
+            self.max_len,
+            dtype=self.cache_dtype,
+            mesh=self._mesh,
+            **({"rules": self.rules} if self.rules is not None else {}),
+        )
+        self._slot_filter = [False] * B
+        return DecodeState(
+            cache=cache,
+            lengths=jnp.zeros((B,), jnp.int32),
+            logits=jnp.zeros((B, V), jnp.float32),
+            keys=jnp.zeros((B, 2), jnp.uint32),
+            temperature=jnp.ones((B,), jnp.float32),
+            top_k=jnp.zeros((B,), jnp.int32),
+            top_p=jnp.ones((B,), jnp.float32),
+            sampled=jnp.zeros((B,), jnp.int32),
+            active=jnp.zeros((B,), bool),
+        )
+
+    def _next_key(self) -> jax.Array:
+        self._request_counter += 1
+        return jax.random.fold_in(jax.random.PRNGKey(self.seed), self._request_counter)
+
+    def prefill_bucket(self, n: int) -> int:
+        """The padded length used for `n` prompt tokens (power of two, >= 16)."""
+        if n > self._max_prefill_length:
+            raise ValueError(
+                f"prompt of {n} tokens exceeds max_prefill_length={self._max_prefill_length}"
+            )
+        return next_pow2(n, 16)
+
+    # ------------------------------------------------------------------ jitted kernels
+    def _build_jits(self):
+        # Module-level jits keyed by hashable statics: engines with the same config share compiles.
+        statics = dict(
+            config=self.config,
+            cache_dtype=jnp.dtype(self.cache_dtype).name,
+            max_len=self.max_len,
+            hook=self.logits_hook,
+        )
+        self._prefill_jit = functools.partial(
+            prefill_kernel, config=self.config, cache_dtype=statics["cache_dtype"]
+        )
+        self._insert_jit = insert_kernel
+        self._write_jit = functools.partial(write_kernel, config=self.config)
+        self._generate_jit = lambda params, state, n, use_filter: generate_kernel(
+            params,
+            state,
+            self.hook_data,
+            num_steps=n,
+            use_filter=use_filter,
+            config=statics["config"],
+            max_len=statics["max_len"],
+            hook=statics["hook"],
+        )
+
+    # ------------------------------------------------------------------ Engine API
+    def prefill(
+        self,
+        *,
+        params: Params,
+        existing_prefix: Prefix | None = None,
+        padded_tokens: jax.Array,
+        true_length: int,
+        sampling: SamplingParams | None = None,
+        rng: jax.Array | None = None,
+    ) -> Prefix:
+        """KV cache of `padded_tokens[:true_length]`, appended after `existing_prefix` if given.
+
+        Args:
+          params: model params.
+          existing_prefix: a Prefix the tokens continue (its cache is copied, not recomputed).
+          padded_tokens: int [T] (any T; re-padded to a power-of-two bucket).
+          true_length: number of real tokens.
+          sampling: SamplingParams for the slot this prefix is inserted into.
+          rng: the slot's PRNG key (default: engine seed folded with a request counter).
+
+        Returns:
+          A Prefix (one-row cache of a bucketed length, pending logits, key, sampling).
+        """
+        tokens = np.asarray(padded_tokens, np.int32).reshape(-1)[: int(true_length)]
+        n = len(tokens)
+        bucket = self.prefill_bucket(n)
+        start = 0 if existing_prefix is None else int(existing_prefix.length)
+        if start + n > self.max_len:
+            raise ValueError(f"prefix of {start + n} tokens exceeds max_len={self.max_len}")
+        old_len = (
+            0
+            if existing_prefix is None
+            else jax.tree.leaves(existing_prefix.cache)[0].shape[self._cache_len_axis()]
+        )
+        cache_len = min(next_pow2(max(start + bucket, old_len), 16), self.max_len)
+        padded = np.zeros((bucket,), np.int32)
+        padded[:n] = tokens
+        cache, length, logits = self._prefill_jit(
+            params, jnp.asarray(padded), jnp.int32(n), existing_prefix, cache_len
+        )
+        sp = sampling or self.default_sampling
+        key = self._next_key() if rng is None else jnp.asarray(rng)
+        return Prefix(
+            cache=cache,
+            length=length,
+            logits=logits,
+            key=key,
+            temperature=jnp.float32(sp.temperature),
+            top_k=jnp.int32(sp.top_k),
+            top_p=jnp.float32(sp.top_p),
+        )
+
+    def _cache_len_axis(self) -> int:
+        axes = models.cache_axes()
+        first = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))[0]
+        return first.index("cache_length")
+
+    def insert(
+        self, prefix: Prefix, decode_state: DecodeState, slot: int, *, rng: jax.Array | None = None
+    ) -> DecodeState:
+        """Copies `prefix` into row `slot` and activates it (the decode state is donated).
+
+        Args:
+          prefix: from `prefill`.
+          decode_state: the state (donated).
+          slot: row in [0, slots).
+          rng: overrides the prefix's key (to insert one prefix as several samples).
+        """
+        if rng is not None:
+            prefix = prefix.replace(key=jnp.asarray(rng))
+        self._slot_filter[slot] = bool(
+            float(prefix.temperature) > 0 and (int(prefix.top_k) > 0 or float(prefix.top_p) < 1)
+        )
+        return self._insert_jit(prefix, decode_state, jnp.int32(slot))
+
+    def generate_steps(
+        self,
+        params: Params,
+        decode_state: DecodeState,
+        num_steps: int | None = None,
+        *,
+        active: np.ndarray | None = None,
+    ) -> tuple[DecodeState, StepOutput]:
+        """`num_steps` decode steps for every active slot in one jitted scan (state donated).
+
+        Args:
+          params: model params.
+          decode_state: the state (donated).
+          num_steps: tokens per slot (static; default `steps_per_generate`).
+          active: optional bool [slots] replacing the state's active mask (paused / finished
+            slots do not advance: no cache write, no length or key change).
+
+        Returns:
+          (new state, StepOutput with tokens / logprobs / valid of shape [slots, num_steps]).
+        """
+        n = self.steps_per_generate if num_steps is None else int(num_steps)
+        if active is not None:
+            decode_state = decode_state.replace(active=jnp.asarray(active, bool))
+            use_filter = any(f for f, a in zip(self._slot_filter, active) if a)
+        else:
+            use_filter = any(self._slot_filter)
+        return self._generate_jit(params, decode_state, n, use_filter)
+
+    # ------------------------------------------------------------------ host-side helpers
+    def write_slots(
+        self,
+        params: Params,
+        decode_state: DecodeState,
+        slots: Sequence[int],
+        token_lists: Sequence[Sequence[int]],
+        *,
+        starts: Sequence[int] | None = None,
+        sampled: Sequence[int] | None = None,
+        reset: Sequence[tuple[jax.Array, SamplingParams]] | None = None,
+    ) -> DecodeState:
+        """Writes tokens into several slots' caches in one jitted call (no prefix recompute).
+
+        Row `slots[i]` gets `token_lists[i]` at positions `starts[i]..`; its length becomes
+        `starts[i] + len(token_lists[i])` (positions past that are stale and never attended to,
+        so this also rolls back tokens sampled after a host-side stop) and its pending logits
+        those of its last new token. Row count and token count are bucketed to powers of two.
+
+        Args:
+          params: model params.
+          decode_state: the state (donated).
+          slots: rows to write.
+          token_lists: tokens per row (each non-empty).
+          starts: first position per row (required; 0 loads a new prompt into a free slot).
+          sampled: model tokens kept in the row so far (for `logits_hook`), default 0.
+          reset: per row (key, SamplingParams): a new sequence; sets its key and sampling and
+            activates it. None keeps the rows' keys/sampling/active flags.
+
+        Returns:
+          The new decode state.
+        """
+        m = len(slots)
+        if m == 0:
+            return decode_state
+        if starts is None:
+            raise ValueError("write_slots: `starts` (first position per row) is required")
+        lens = [len(t) for t in token_lists]
+        if min(lens) < 1:
+            raise ValueError("write_slots: every token list must be non-empty")
+        for s, st, n in zip(slots, starts, lens):
+            if st + n > self.max_len:
+                raise ValueError(
+                    f"write_slots: slot {s} would hold {st + n} tokens > max_len={self.max_len}"
+                )
+        M = next_pow2(m)
+        K = min(next_pow2(max(lens), 16), self.max_len)
+        rows = np.full((M,), self.slots, np.int32)
+        rows[:m] = slots
+        toks = np.zeros((M, K), np.int32)
+        for i, t in enumerate(token_lists):
+            toks[i, : len(t)] = t
+        st_M = np.zeros((M,), np.int32)
+        st_M[:m] = starts
+        n_M = np.zeros((M,), np.int32)
+        n_M[:m] = lens
+        sm_M = np.zeros((M,), np.int32)
+        if sampled is not None:
+            sm_M[:m] = sampled
+        rs = None
+        if reset is not None:
+            keys = np.zeros((M, 2), np.uint32)
+            temp = np.ones((M,), np.float32)
+            topk = np.zeros((M,), np.int32)
+            topp = np.ones((M,), np.float32)
+            for i, (key, sp) in enumerate(reset):
+                keys[i] = np.asarray(key, np.uint32)
+                temp[i], topk[i], topp[i] = sp.temperature, sp.top_k, sp.top_p
+                self._slot_filter[slots[i]] = sp.needs_filter
+            rs = tuple(jnp.asarray(x) for x in (keys, temp, topk, topp))
+        return self._write_jit(
+            params,
+            decode_state,
+            jnp.asarray(rows),
+            jnp.asarray(toks),
+            jnp.asarray(st_M),
+            jnp.asarray(n_M),
+            jnp.asarray(sm_M),
+            rs,
+        )
+
+    def append(
+        self,
+        params: Params,
+        decode_state: DecodeState,
+        slot: int,
+        tokens: Sequence[int],
+        *,
+        start: int,
+        sampled: int = 0,
+    ) -> DecodeState:
+        """Appends `tokens` (e.g. a tool observation) to a live slot at position `start`.
+
+        One jitted call over the slot's row only, bucketed length; no recompute of the prefix.
+        See `write_slots` (this is its one-row case).
+        """
+        return self.write_slots(
+            params, decode_state, [slot], [list(tokens)], starts=[start], sampled=[sampled]
+        )
+
+    def slot_lengths(self, decode_state: DecodeState) -> np.ndarray:
+        return np.asarray(decode_state.lengths)

@@ -1,0 +1,442 @@
+"""The host-side agent loop: continuous batching over the engine's slots, tools run async.
+
+`run_rollouts` turns prompts into `Trajectory`s (G samples per prompt). The device only runs
+fixed-shape jitted work (a chunk of `chunk_size` decode steps for all slots, bucketed writes);
+the host scans each slot's new tokens, dispatches tool calls / environment steps as asyncio
+tasks, and appends their observation tokens to that slot's KV cache when they arrive. A slot
+waiting for a tool is paused (it does not advance); the other slots keep decoding, and a
+finished trajectory frees its slot for the next queued sample.
+
+Stop rule (token-in-token-out): generation is never re-tokenised; where a chunk ends is decided
+by `stops.scan_chunk` (EOS ids and stop strings, which may end inside a token).
+
+Segment end handling:
+- tool stop string (the parser's `stop_strings`): parse -> execute the calls (at most C in the
+  whole trajectory; later calls get the notice "tool budget exhausted, answer directly"), a parse
+  error becomes an error observation; the observation is appended as the parser's inline format
+  (ToRL, ReTool, Search-R1) or, for chat protocols, as tool turns in the tokenizer's template.
+- EOS / a final stop string: with a parser, a segment that parses into calls without error (Qwen
+  multi-call turns ending in <|im_end|>) is a tool turn; otherwise the trajectory ends
+  ("eos" / "stop"). With an environment (RAGEN style), the turn text goes to `env.step` and the
+  returned observation is appended as a user turn until `done` ("done") or `max_turns`.
+
+Finish reasons: "eos", "stop", "length" (max_response_tokens reached; observations count),
+"budget" (the slot's KV cache / context `max_len` is full), "turns" (max_turns model segments
+reached with a tool call or env turn still pending), "done" (environment finished).
+
+Observation text: what the tool returned (tools shape their own errors), cut to head + "..." +
+tail beyond `max_obs_tokens` tokens. Observation tokens have loss_mask 0 and log-prob 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import inspect
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl_tools import prompts
+from jaxrl_tools.rollout.sampling import SamplingParams
+from jaxrl_tools.rollout.stops import scan_chunk
+from jaxrl_tools.tools import Observation, get_parser
+from jaxrl_tools.types import Span, ToolCallRecord, Trajectory
+
+BUDGET_NOTICE = "tool budget exhausted, answer directly"
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutLimits:
+    """Per-trajectory limits.
+
+    Attributes:
+      max_response_tokens: response tokens (model + observation) before finishing with "length".
+      max_tool_calls: C, tool calls executed per trajectory; later calls get BUDGET_NOTICE.
+      max_turns: model segments per trajectory.
+      max_obs_tokens: cap per tool output (head + "..." + tail beyond it).
+      chunk_size: decode steps per jitted generate call.
+    """
+
+    max_response_tokens: int = 512
+    max_tool_calls: int = 3
+    max_turns: int = 8
+    max_obs_tokens: int = 256
+    chunk_size: int = 16
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v < (0 if f.name == "max_tool_calls" else 1):
+                raise ValueError(f"RolloutLimits.{f.name} must be a positive int, got {v!r}")
+
+
+class _Sample:
+    """Host state of one trajectory while it runs."""
+
+    def __init__(self, traj: Trajectory, key):
+        self.traj = traj
+        self.key = key
+        self.slot = -1
+        self.seg_start = 0  # response index where the current model segment began
+        self.turns = 0
+        self.session_id = f"{traj.prompt_index}-{traj.sample_index}-{uuid.uuid4().hex[:8]}"
+        self.env = None
+
+    @property
+    def length(self) -> int:
+        return len(self.traj.prompt_ids) + len(self.traj.response_ids)
+
+    @property
+    def seg_tokens(self) -> list[int]:
+        return self.traj.response_ids[self.seg_start :]
+
+    @property
+    def sampled(self) -> int:
+        return sum(self.traj.loss_mask)
+
+    def add_model(self, toks, lps):
+        t = self.traj
+        if not toks:
+            return
+        if t.spans and t.spans[-1].kind == "model" and t.spans[-1].end == len(t.response_ids):
+            t.spans[-1].end += len(toks)
+        else:
+            t.spans.append(Span("model", len(t.response_ids), len(t.response_ids) + len(toks)))
+        t.response_ids.extend(int(x) for x in toks)
+        t.loss_mask.extend([1] * len(toks))
+        t.logprobs.extend(float(x) for x in lps)
+
+    def add_observation(self, toks, reward=None):
+        t = self.traj
+        t.spans.append(
+            Span("observation", len(t.response_ids), len(t.response_ids) + len(toks), reward)
+        )
+        t.response_ids.extend(int(x) for x in toks)
+        t.loss_mask.extend([0] * len(toks))
+        t.logprobs.extend([0.0] * len(toks))
+        self.seg_start = len(t.response_ids)
+
+
+def _render_prompt(prompt, tokenizer, tools_schema) -> list[int]:
+    if isinstance(prompt, np.ndarray):
+        prompt = prompt.tolist()
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt, add_special_tokens=False))
+    if prompt and isinstance(prompt[0], dict):
+        if tokenizer is None:
+            raise ValueError("chat-message prompts need a tokenizer (for its chat template)")
+        text = prompts.render_prompt(tokenizer, {"prompt": list(prompt)}, tools_schema or None)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return [int(x) for x in prompt]
+
+
+def _fit_observation(text: str, tokenizer, max_tokens: int) -> str:
+    """The observation cut to `max_tokens` tokens: head + "..." + tail (the rollout's budget;
+    how a tool reports errors, e.g. a traceback's last line, is the tool's business)."""
+    if tokenizer is None:
+        return text
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) <= max_tokens:
+        return text
+    head = max(1, (max_tokens - 1) // 2)
+    tail = max(1, max_tokens - 1 - head)
+    return (
+        tokenizer.decode(ids[:head], skip_special_tokens=False)
+        + "..."
+        + tokenizer.decode(ids[-tail:], skip_special_tokens=False)
+    )
+
+
+async def arun_rollouts(
+    engine,
+    params,
+    prompts: Sequence[Any],
+    *,
+    tokenizer=None,
+    num_samples: int = 1,
+    protocol: str | Any | None = None,
+    executor=None,
+    env_factory: Callable[[int, int], Any] | None = None,
+    env_format: Callable[[str], str] | None = None,
+    limits: RolloutLimits | None = None,
+    sampling: SamplingParams | None = None,
+    rng: jax.Array | int = 0,
+    stop_strings: Sequence[str] = (),
+    eos_token_ids: Sequence[int] | None = None,
+    tools_schema: list[dict] | None = None,
+    stats: dict | None = None,
+) -> list[Trajectory]:
+    """Samples `num_samples` trajectories per prompt with tools, continuously batched (inside a
+    running event loop; `run_rollouts` starts one).
+
+    Args:
+      engine: an EngineCore / DecodeEngine (its slots and max_len bound the batch).
+      params: model params (the engine's, or new ones from training).
+      prompts: each a list of token ids, a string, or chat messages (rendered with the
+        tokenizer's chat template and `tools_schema`).
+      tokenizer: HF tokenizer (needed for stop strings, protocols, messages).
+      num_samples: G samples per prompt (each its own RNG key: fold_in(rng, prompt, sample)).
+      protocol: a parser name ("qwen", "torl", "retool", "search_r1"), a parser object, or None.
+      executor: a ToolExecutor (needed with a protocol).
+      env_factory: f(prompt_index, sample_index) -> env with step(action_text) ->
+        (obs_text, reward, done) (sync or async): RAGEN-style multi-turn environments.
+      env_format: f(obs_text) -> text inserted after an env step (default: a user turn in the
+        tokenizer's chat template).
+      limits: RolloutLimits (max response tokens, C, max turns, observation cap, chunk size).
+      sampling: SamplingParams for every sample (default temperature 1.0).
+      rng: int seed or PRNG key.
+      stop_strings: strings that end the response ("stop"), e.g. "</answer>".
+      eos_token_ids: default the engine's.
+      tools_schema: tool declarations for the chat template (default executor.schemas()).
+      stats: optional dict filled with wall_s, generate_s, chunks.
+
+    Returns:
+      Trajectories sorted by (prompt_index, sample_index).
+    """
+    limits = limits or RolloutLimits()
+    sampling = sampling or SamplingParams()
+    parser = None
+    if protocol is not None:
+        if isinstance(protocol, str):
+            parser = get_parser(protocol)
+        else:
+            parser = protocol
+    if (parser is not None or stop_strings) and tokenizer is None:
+        raise ValueError("a protocol or stop_strings needs a tokenizer (stops are found in text)")
+    if parser is not None and executor is None:
+        raise ValueError(f"protocol {getattr(parser, 'name', parser)!r} needs a ToolExecutor")
+    tool_stops = tuple(parser.stop_strings) if parser is not None else ()
+    final_stops = tuple(stop_strings)
+    eos = set(engine.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    if tools_schema is None and executor is not None and hasattr(executor, "schemas"):
+        tools_schema = executor.schemas()
+    base_key = jax.random.PRNGKey(rng) if isinstance(rng, int) else rng
+
+    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None
+    encode = (lambda s: list(tokenizer.encode(s, add_special_tokens=False))) if tokenizer else None
+
+    queue: collections.deque[_Sample] = collections.deque()
+    done: list[Trajectory] = []
+    for pi, prompt in enumerate(prompts):
+        ids = _render_prompt(prompt, tokenizer, tools_schema)
+        if not ids or len(ids) >= engine.max_len:
+            raise ValueError(f"prompt {pi} has {len(ids)} tokens; need 1..{engine.max_len - 1}")
+        pkey = jax.random.fold_in(base_key, pi)
+        for g in range(num_samples):
+            s = _Sample(Trajectory(pi, g, list(ids)), np.asarray(jax.random.fold_in(pkey, g)))
+            if env_factory is not None:
+                s.env = env_factory(pi, g)
+            queue.append(s)
+
+    B = engine.slots
+    free = list(range(B))
+    running: dict[int, _Sample] = {}
+    paused: dict[int, asyncio.Task] = {}
+    state = engine.init_decode_state()
+    loop = asyncio.get_running_loop()
+    t_gen = 0.0
+    n_chunks = 0
+    t0 = time.perf_counter()
+
+    async def finish(s: _Sample, reason: str):
+        s.traj.finish_reason = reason
+        if decode is not None:
+            s.traj.response_text = decode(s.traj.response_ids)
+        if executor is not None:
+            await executor.close_session(s.session_id)
+        done.append(s.traj)
+
+    async def run_calls(s: _Sample, parsed) -> list[str]:
+        texts: list[str] = []
+        if parsed.error:
+            s.traj.tool_calls.append(
+                ToolCallRecord(None, None, False, parsed.error, 0.0, False, s.turns)
+            )
+            return [parsed.error]
+        jobs, slots_idx = [], []
+        for call in parsed.calls:
+            if s.traj.num_tool_calls < limits.max_tool_calls:
+                s.traj.num_tool_calls += 1
+                rec = ToolCallRecord(call.name, call.arguments, False, None, 0.0, True, s.turns)
+                jobs.append((rec, executor.execute(call, s.session_id)))
+            else:
+                rec = ToolCallRecord(
+                    call.name, call.arguments, False, "budget", 0.0, False, s.turns, BUDGET_NOTICE
+                )
+            s.traj.tool_calls.append(rec)
+            slots_idx.append(rec)
+        results = await asyncio.gather(*(_safe(c) for _, c in jobs))
+        for (rec, _), obs in zip(jobs, results):
+            rec.ok, rec.latency_s = bool(obs.ok), float(obs.latency_s)
+            rec.error = None if obs.ok else obs.text
+            rec.observation = _fit_observation(obs.text, tokenizer, limits.max_obs_tokens)
+        for rec in slots_idx:
+            texts.append(rec.observation)
+        return texts
+
+    def continuation(role: str, texts: list[str]) -> str:
+        """Observation text after a model segment: inline (the parser's format) or, for chat
+        protocols and environment turns, the chat template's own turn markup."""
+        if role == "tool" and not getattr(parser, "chat_role", None):
+            return parser.format_observation(texts)
+        if role == "user" and env_format is not None:
+            return env_format(texts[0])
+        return prompts.chat_continuation(tokenizer, role, texts)
+
+    async def resolve(s: _Sample, kind: str, seg_text: str, parsed, ended_with_eos: bool):
+        """Returns ("append", tokens, reward) or ("finish", reason)."""
+        reward = None
+        if kind == "tool":
+            obs = continuation("tool", await run_calls(s, parsed))
+        else:
+            step = s.env.step(seg_text)
+            obs_text, reward, is_done = (await step) if inspect.isawaitable(step) else step
+            s.traj.env_rewards.append(float(reward))
+            if is_done:
+                return ("finish", "done")
+            obs, reward = continuation("user", [obs_text]), float(reward)
+        last = decode([s.traj.response_ids[-1]]) if ended_with_eos else ""
+        if last and obs.startswith(last):  # the EOS token already closed the turn
+            obs = obs[len(last) :]
+        return ("append", encode(obs), reward)
+
+    def end_segment(s: _Sample, reason: str, stop_end: int | None):
+        """After a segment ended with reason in {tool, eos, stop}: a coroutine or a finish."""
+        seg_text = decode(s.seg_tokens) if decode else ""
+        if stop_end is not None:
+            seg_text = seg_text[:stop_end]
+        s.turns += 1
+        parsed = None
+        kind = None
+        if reason == "tool":
+            parsed = parser.parse(seg_text)
+            kind = "tool"
+        elif parser is not None:
+            parsed = parser.parse(seg_text)
+            if parsed.calls and not parsed.error:
+                kind = "tool"
+        if kind is None and s.env is not None:
+            kind = "env"
+        if kind is None:
+            return reason
+        if s.turns >= limits.max_turns:
+            return "turns"
+        return resolve(s, kind, seg_text, parsed, reason == "eos")
+
+    while queue or running:
+        # 1) observations that arrived: append them (one bucketed call), resume those slots
+        appends, finished_now = [], []
+        for slot, task in list(paused.items()):
+            if not task.done():
+                continue
+            del paused[slot]
+            s = running[slot]
+            res = task.result()
+            if res[0] == "finish":
+                finished_now.append((slot, res[1]))
+                continue
+            toks, reward = res[1], res[2]
+            if len(s.traj.response_ids) + len(toks) >= limits.max_response_tokens:
+                finished_now.append((slot, "length"))
+            elif s.length + len(toks) >= engine.max_len:
+                finished_now.append((slot, "budget"))
+            else:
+                appends.append((slot, s, toks, reward))
+        for slot, reason in finished_now:
+            await finish(running.pop(slot), reason)
+            free.append(slot)
+        if appends:
+            state = engine.write_slots(
+                params,
+                state,
+                [a[0] for a in appends],
+                [a[2] for a in appends],
+                starts=[a[1].length for a in appends],
+                sampled=[a[1].sampled for a in appends],
+            )
+            for _, s, toks, reward in appends:
+                s.add_observation(toks, reward)
+        # 2) new samples into free slots (one bucketed call)
+        new = []
+        free.sort()
+        while free and queue:
+            s = queue.popleft()
+            s.slot = free.pop(0)
+            running[s.slot] = s
+            new.append(s)
+        if new:
+            state = engine.write_slots(
+                params,
+                state,
+                [s.slot for s in new],
+                [s.traj.prompt_ids for s in new],
+                starts=[0] * len(new),
+                reset=[(s.key, sampling) for s in new],
+            )
+        active = np.zeros((B,), bool)
+        for slot in running:
+            active[slot] = slot not in paused
+        if not active.any():
+            if paused:
+                await asyncio.wait(list(paused.values()), return_when=asyncio.FIRST_COMPLETED)
+            continue
+        # 3) one chunk for all active slots, off the event loop so tool tasks keep running
+        tg = time.perf_counter()
+
+        def chunk(st, act):
+            st, out = engine.generate_steps(params, st, limits.chunk_size, active=act)
+            return st, np.asarray(out.tokens), np.asarray(out.logprobs)
+
+        state, toks_BN, lps_BN = await loop.run_in_executor(None, chunk, state, active)
+        t_gen += time.perf_counter() - tg
+        n_chunks += 1
+        # 4) host scan of each active slot's new tokens
+        for slot in np.nonzero(active)[0].tolist():
+            s = running[slot]
+            toks, lps = toks_BN[slot].tolist(), lps_BN[slot]
+            cut, reason, stop_end = scan_chunk(
+                toks,
+                segment=s.seg_tokens,
+                decode=decode,
+                eos_ids=eos,
+                tool_stops=tool_stops,
+                final_stops=final_stops,
+                room=limits.max_response_tokens - len(s.traj.response_ids),
+                context=engine.max_len - s.length,
+            )
+            s.add_model(toks[:cut], lps[:cut])
+            if reason is None:
+                continue
+            if reason in ("length", "budget"):
+                await finish(running.pop(slot), reason)
+                free.append(slot)
+                continue
+            out = end_segment(s, reason, stop_end)
+            if isinstance(out, str):
+                await finish(running.pop(slot), out)
+                free.append(slot)
+            else:
+                paused[slot] = asyncio.ensure_future(out)
+
+    if stats is not None:
+        stats.update(wall_s=time.perf_counter() - t0, generate_s=t_gen, chunks=n_chunks)
+    done.sort(key=lambda t: (t.prompt_index, t.sample_index))
+    return done
+
+
+async def _safe(coro):
+    try:
+        return await coro
+    except Exception as e:  # noqa: BLE001 -- a failing tool is an observation, not a crash
+        return Observation(text=f"Error: {type(e).__name__}: {e}", ok=False)
+
+
+def run_rollouts(engine, params, prompts: Sequence[Any], **kwargs) -> list[Trajectory]:
+    """`arun_rollouts` in a fresh event loop (same arguments)."""
+    return asyncio.run(arun_rollouts(engine, params, prompts, **kwargs))

@@ -1,0 +1,114 @@
+"""Records -> trajectories: the run's sampler, over the decode engine, the tools and the loop."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jaxrl_tools import prompts
+from jaxrl_tools.config import RolloutSection
+from jaxrl_tools.rollout.engine import EngineCore
+from jaxrl_tools.rollout.kernels import next_pow2
+from jaxrl_tools.rollout.loop import RolloutLimits, run_rollouts
+from jaxrl_tools.rollout.sampling import SamplingParams
+from jaxrl_tools.tools import ToolExecutor, get_parser
+from jaxrl_tools.types import Record, Tokenizer, Trajectory
+
+
+def declares_tools(protocol: str) -> bool:
+    """Whether `protocol` declares its tools in the chat template's system turn (function
+    calling); inline protocols (ToRL, ReTool, Search-R1) describe them in the prompt."""
+    return protocol != "none" and bool(getattr(get_parser(protocol), "chat_role", None))
+
+
+def make_engine(
+    model_cfg, params, tokenizer: Tokenizer, rollout: RolloutSection, *, mesh=None, seed: int = 0
+) -> EngineCore:
+    """An engine whose slots hold a bucketed `max_prompt_len` prompt plus the response."""
+    prefill = next_pow2(rollout.max_prompt_len, 16)
+    return EngineCore(
+        model_cfg,
+        params,
+        slots=rollout.slots,
+        max_len=prefill + rollout.max_response_len,
+        max_prefill_length=prefill,
+        tokenizer=tokenizer,
+        mesh=mesh,
+        seed=seed,
+    )
+
+
+class Sampler:
+    """Samples trajectories of prompt records with the decode engine and the tools.
+
+    Args:
+      engine: an `EngineCore` over the policy's architecture.
+      tokenizer: the HF tokenizer (chat template, stop strings).
+      executor: the ToolExecutor (None: no tools; the protocol is then ignored).
+      settings: the rollout section (protocol, limits, sampling).
+      system_prompt: an optional system turn for every prompt.
+      seed: the run seed; call k uses seed * 1_000_003 + k unless given one.
+    """
+
+    def __init__(
+        self,
+        engine: EngineCore,
+        tokenizer: Tokenizer,
+        executor: ToolExecutor | None,
+        settings: RolloutSection,
+        *,
+        system_prompt: str | None = None,
+        seed: int = 0,
+    ):
+        self.engine, self.tokenizer, self.executor = engine, tokenizer, executor
+        self.settings, self.system_prompt, self.seed = settings, system_prompt, seed
+        self.limits = RolloutLimits(
+            max_response_tokens=settings.max_response_len,
+            max_tool_calls=settings.max_tool_calls,
+            max_turns=settings.max_turns,
+            max_obs_tokens=settings.max_obs_tokens,
+            chunk_size=settings.chunk_size,
+        )
+        function_calling = executor is not None and declares_tools(settings.protocol)
+        self.tools_schema = executor.schemas() if function_calling else []
+        self.calls = 0  # checkpointed: a resumed run continues the same random streams
+
+    def __call__(
+        self,
+        records: Sequence[Record],
+        group_size: int,
+        params: Any,
+        *,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> list[Trajectory]:
+        r = self.settings
+        temp = r.temperature if temperature is None else temperature
+        sampling = SamplingParams(
+            temperature=temp, top_k=r.top_k if temp > 0 else 0, top_p=r.top_p if temp > 0 else 1.0
+        )
+        if seed is None:
+            seed = self.seed * 1_000_003 + self.calls
+        self.calls += 1
+        return run_rollouts(
+            self.engine,
+            params,
+            [self.encode_prompt(rec) for rec in records],
+            tokenizer=self.tokenizer,
+            num_samples=group_size,
+            protocol=r.protocol if self.executor is not None else None,
+            executor=self.executor,
+            limits=self.limits,
+            sampling=sampling,
+            rng=seed,
+        )
+
+    def encode_prompt(self, record: Record) -> list[int]:
+        """The record's prompt through the chat template, with its tool declarations."""
+        return prompts.encode_prompt(
+            self.tokenizer,
+            record,
+            self.tools_schema or None,
+            self.system_prompt,
+            max_len=self.settings.max_prompt_len,
+        )

@@ -1,0 +1,142 @@
+"""Run metrics: a jsonl file, TensorBoard, a console progress bar, and a PNG plot at the end."""
+
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+from tensorboardX import SummaryWriter
+from tqdm.auto import tqdm
+
+from jaxrl_tools.sharding import is_main_process
+
+# The curves of the end-of-run plot, when present.
+PLOT_KEYS = (
+    "reward/mean",
+    "reward/accuracy",
+    "tools/calls_per_response",
+    "tools/error_rate",
+    "response/length_mean",
+    "actor/entropy",
+    "actor/kl",
+    "actor/grad_norm",
+)
+
+
+def _scalar(value) -> float | None:
+    try:
+        out = float(np.asarray(value))
+    except (TypeError, ValueError):
+        return None
+    return out if math.isfinite(out) else None
+
+
+class MetricsLogger:
+    """Writes one record per step to `log_dir/metrics.jsonl` and TensorBoard.
+
+    Only process 0 writes; other processes accept calls and do nothing, so callers need no
+    branches.
+
+    Args:
+      log_dir: the run's folder.
+      total_steps: for the progress bar.
+      tensorboard: also write TensorBoard event files.
+      progress: show a tqdm progress bar on the console.
+      start_step: the step a resumed run continues from: records of later steps (logged after
+        its last checkpoint) are dropped from the file, earlier ones kept for the plot, and the
+        progress bar starts there. 0 starts a new log.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | Path,
+        *,
+        total_steps: int | None = None,
+        tensorboard: bool = True,
+        progress: bool = True,
+        start_step: int = 0,
+        desc: str = "train",
+    ):
+        self.log_dir = Path(log_dir)
+        self.active = is_main_process()
+        self.history: list[dict[str, float]] = []
+        self._tb = self._bar = self._file = None
+        if not self.active:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        path = self.log_dir / "metrics.jsonl"
+        if start_step and path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                record = json.loads(line) if line.strip() else {}
+                if 0 < record.get("step", 0) <= start_step:
+                    self.history.append(record)
+        with path.open("w", encoding="utf-8") as f:  # rewritten: no step twice after a resume
+            f.writelines(json.dumps(r) + "\n" for r in self.history)
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        if tensorboard:
+            self._tb = SummaryWriter(str(self.log_dir / "tensorboard"))
+        if progress:
+            self._bar = tqdm(total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True)
+
+    def log(self, step: int, metrics: Mapping[str, object], *, prefix: str = "") -> dict:
+        """Records scalar metrics for `step`; non-scalars and non-finite values are dropped."""
+        record = {"step": int(step), "time": time.time()}
+        for key, value in metrics.items():
+            v = _scalar(value)
+            if v is not None:
+                record[prefix + key] = v
+        self.history.append(record)
+        if not self.active:
+            return record
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, v in record.items():
+                if key not in ("step", "time"):
+                    self._tb.add_scalar(key, v, step)
+        if self._bar is not None:
+            shown = {k.split("/")[-1]: f"{record[k]:.3g}" for k in PLOT_KEYS[:3] if k in record}
+            self._bar.set_postfix(shown, refresh=False)
+            self._bar.update(1)
+        return record
+
+    def plot(self, path: str | Path | None = None, keys: Sequence[str] = PLOT_KEYS) -> Path | None:
+        """Writes a PNG with one panel per main curve; returns its path."""
+        if not self.active or not self.history:
+            return None
+        keys = [k for k in keys if any(k in r for r in self.history)]
+        if not keys:
+            return None
+        cols = min(4, len(keys))
+        rows = math.ceil(len(keys) / cols)
+        fig = Figure(figsize=(4 * cols, 3 * rows))  # no pyplot: no global backend state
+        axes = fig.subplots(rows, cols, squeeze=False)
+        for ax, key in zip(axes.flat, keys):
+            pts = [(r["step"], r[key]) for r in self.history if key in r]
+            ax.plot(*zip(*pts), marker=".")
+            ax.set_title(key)
+            ax.set_xlabel("step")
+        for ax in list(axes.flat)[len(keys) :]:
+            ax.axis("off")
+        fig.tight_layout()
+        path = Path(path) if path else self.log_dir / "curves.png"
+        fig.savefig(path, dpi=100)
+        return path
+
+    def flush(self) -> None:
+        """Puts everything logged so far on disk (TensorBoard buffers events)."""
+        if self._file is not None:
+            self._file.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._file is not None:
+            self._file.close()

@@ -1,0 +1,143 @@
+"""The RL objectives as module-level pure functions of (params, micro-batch, denominator).
+
+Static settings come first and are bound with `functools.partial` by the trainer; the arrays are
+a micro-batch dict with "tokens", "positions", "attention", "loss_mask", "advantages", "correct"
+and optional "old_logp" / "ref_logp" (actor), "old_values" / "returns" (critic). Each loss is a
+micro-batch's *sum* divided by the whole mini-batch's denominator (`actor_denominator`), so
+accumulating micro-batches gives the full mini-batch gradient exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_tools import algorithms, models
+from jaxrl_tools.config import AlgorithmSection, CriticSection
+from jaxrl_tools.train import policy
+
+
+def policy_loss_config(a: AlgorithmSection, max_response_len: int) -> algorithms.PolicyLossConfig:
+    return algorithms.PolicyLossConfig(
+        clip_eps_low=a.clip_eps_low,
+        clip_eps_high=a.clip_eps_high,
+        dual_clip_c=a.dual_clip_c,
+        kl_coef=a.kl_coef if a.kl_in_loss else 0.0,
+        kl_type=a.kl_type,
+        entropy_coef=a.entropy_coef,
+        loss_agg_mode=a.loss_agg_mode,
+        max_len=max_response_len,
+        ratio_type="sequence" if a.policy_loss == "gspo" else "token",
+    )
+
+
+def advantage_config(
+    a: AlgorithmSection, critic: CriticSection, group_size: int
+) -> algorithms.AdvantageConfig:
+    return algorithms.AdvantageConfig(
+        group_size=group_size,
+        norm_by_std=a.norm_adv_by_std,
+        gamma=a.gamma,
+        lam=a.lam,
+        kl_beta=a.kl_coef if a.kl_in_reward else 0.0,
+        vapo_alpha=a.vapo_alpha,
+        critic_lam=critic.lam,
+        gigpo_omega=a.gigpo_omega,
+    )
+
+
+def sequence_logprobs(
+    model_cfg: models.ModelConfig,
+    temperature: float,
+    remat: bool,
+    params,
+    b: dict,
+    entropy_grad: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """(log-probs, entropies) [B, T] of the tempered policy on packed sequences."""
+    return policy.token_logprobs(
+        model_cfg,
+        params,
+        b["tokens"],
+        b["positions"],
+        b["attention"],
+        b["loss_mask"],
+        temperature=temperature,
+        remat=remat,
+        entropy_grad=entropy_grad,
+    )
+
+
+def actor_loss(
+    model_cfg: models.ModelConfig,
+    pcfg: algorithms.PolicyLossConfig,
+    temperature: float,
+    remat: bool,
+    nll_coef: float,
+    params,
+    mb: dict,
+    denom: jax.Array,
+) -> tuple[jax.Array, dict]:
+    """The policy loss (PPO clip / GSPO, KL, entropy) plus VAPO's NLL on correct responses."""
+    logp, ent = sequence_logprobs(
+        model_cfg, temperature, remat, params, mb, entropy_grad=pcfg.entropy_coef > 0
+    )
+    # One update per rollout batch: the policy is still the behaviour one, and its own
+    # log-probs (no gradient) are the old ones; this saves a forward pass.
+    old_logp = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)
+    terms = algorithms.policy_loss(
+        pcfg,
+        logp,
+        old_logp,
+        mb["advantages"],
+        mb["loss_mask"],
+        ref_logp_BT=mb.get("ref_logp"),
+        entropy_BT=ent,
+        denominator=denom,
+    )
+    loss = terms.loss
+    metrics = dict(terms.metrics)
+    # pg_loss is this micro-batch's share of the mini-batch loss (global denominator): the
+    # shares add up to "loss", they do not average, so it is not reported twice.
+    metrics.pop("pg_loss", None)
+    if nll_coef:
+        pos = mb["loss_mask"] * mb["correct"][:, None]
+        nll, _ = algorithms.aggregate(
+            -logp, pos, pcfg.loss_agg_mode, max_len=pcfg.max_len, denominator=denom
+        )
+        loss = loss + nll_coef * nll / jnp.maximum(denom, 1.0)
+    metrics["entropy"] = algorithms.masked_mean(ent, mb["loss_mask"])
+    return loss, metrics
+
+
+def actor_denominator(pcfg: algorithms.PolicyLossConfig, batch_M: dict) -> jax.Array:
+    """The mini-batch's loss denominator (by the aggregation mode), over all micro-batches."""
+    mask = batch_M["loss_mask"].reshape(-1, batch_M["loss_mask"].shape[-1])
+    return algorithms.loss_denominator(mask, pcfg.loss_agg_mode, pcfg.max_len)
+
+
+def token_values(model_cfg: models.ModelConfig, critic_params, b: dict) -> jax.Array:
+    """The critic's value of every token [B, T]."""
+    return policy.token_values(
+        model_cfg, critic_params, b["tokens"], b["positions"], b["attention"]
+    )
+
+
+def critic_loss(
+    model_cfg: models.ModelConfig, clip_eps: float, critic_params, mb: dict, denom: jax.Array
+) -> tuple[jax.Array, dict]:
+    """The clipped value loss on response tokens (token-mean over the mini-batch)."""
+    terms = algorithms.value_loss(
+        token_values(model_cfg, critic_params, mb),
+        mb["old_values"],
+        mb["returns"],
+        mb["loss_mask"],
+        clip_eps=clip_eps,
+        loss_agg_mode="token-mean",
+        denominator=denom,
+    )
+    return terms.loss, dict(terms.metrics)
+
+
+def critic_denominator(batch_M: dict) -> jax.Array:
+    return jnp.sum(batch_M["loss_mask"])

@@ -1,0 +1,404 @@
+"""The RL trainer: one jitted, sharded update step on a `Batch` of scored trajectories.
+
+`RLTrainer.step(batch)`:
+  1. the batch's arrays go to the devices (rows split over the logical "batch" axis);
+  2. old log-probs (only when there is more than one optimizer step per batch or KL is folded into
+     the rewards), reference log-probs (KL on) and critic values (PPO / VAPO) by forward passes;
+  3. advantages by the configured estimator, over the real rows only;
+  4. `ppo_epochs` x `num_mini_batches` actor (and critic) updates, each accumulating gradients
+     over micro-batches exactly (`train.state.make_update`).
+
+With a mesh, every jitted function has explicit in/out shardings: batches are split over the
+logical "batch" axis, params (and the optimizer moments, which mirror them) by
+`models.logical_axes`, counters replicated; functions are traced inside `sharding.use_mesh`, so
+the models' activation constraints apply, and the updates donate the state. Without a mesh the
+same functions are jitted without shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxrl_tools import algorithms, models, sharding
+from jaxrl_tools.config import AlgorithmSection, CriticSection, OptimSection
+from jaxrl_tools.train import objectives, policy
+from jaxrl_tools.train.state import (
+    create_train_state,
+    make_optimizer,
+    make_update,
+    train_state_shardings,
+)
+from jaxrl_tools.types import Batch
+
+_ACTOR_KEYS = ("tokens", "positions", "attention", "loss_mask", "advantages", "correct")
+_CRITIC_KEYS = ("tokens", "positions", "attention", "loss_mask", "old_values", "returns")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSetup:
+    """What the trainer needs to know of the rest of the run.
+
+    Attributes:
+      rows: sequences per RL step (prompts x group size): the batch's fixed row count.
+      group_size: G samples per prompt (consecutive rows).
+      temperature: the sampling temperature (log-probs are of the tempered policy).
+      max_response_len: the constant of seq-mean-token-sum-norm aggregation.
+      total_steps: RL steps of the run (the learning-rate schedule's horizon).
+      seed: shuffles mini-batches.
+      remat: rematerialise decoder layers in the update (memory for compute).
+    """
+
+    rows: int
+    group_size: int
+    temperature: float = 1.0
+    max_response_len: int = 1024
+    total_steps: int = 1
+    seed: int = 0
+    remat: bool = False
+
+
+def _select_micro(batch: dict, idx_N: jax.Array, micro_batch_size: int, micro_sharding) -> dict:
+    """Rows `idx_N` of a [B, ...] batch, as [M, micro_batch_size, ...] micro-batches."""
+    num_micro = idx_N.shape[0] // micro_batch_size
+    out = {}
+    for k, v in batch.items():
+        v = jnp.take(v, idx_N, axis=0)
+        v = v.reshape(num_micro, micro_batch_size, *v.shape[1:])
+        if micro_sharding is not None:
+            v = jax.lax.with_sharding_constraint(v, micro_sharding)
+        out[k] = v
+    return out
+
+
+class RLTrainer:
+    """Runs RL updates for one policy (and optional critic).
+
+    Args:
+      model_cfg: the policy architecture.
+      params: the initial policy params (also the frozen reference policy when KL is on).
+      algorithm, optim, critic: the run's sections.
+      setup: batch shape, temperature, horizon and seed (`RLSetup`).
+      mesh: the device mesh (None: one device).
+      rules: logical -> mesh axes table (default `sharding.DEFAULT_RULES`).
+
+    Raises:
+      ValueError: the batch does not split into the mini/micro-batches, or (with a mesh) the
+        rows or micro-batches do not split over the mesh's batch devices.
+    """
+
+    def __init__(
+        self,
+        model_cfg: models.ModelConfig,
+        params: Any,
+        *,
+        algorithm: AlgorithmSection,
+        optim: OptimSection,
+        critic: CriticSection,
+        setup: RLSetup,
+        mesh=None,
+        rules=None,
+    ):
+        self.model_cfg, self.algorithm, self.optim, self.critic = (
+            model_cfg,
+            algorithm,
+            optim,
+            critic,
+        )
+        self.setup, self.mesh, self.rules = setup, mesh, rules
+        o, a = optim, algorithm
+        self.rows = setup.rows
+        if self.rows % (o.num_mini_batches * o.micro_batch_size):
+            raise ValueError(
+                f"data.batch_size x rollout.group_size = {self.rows} sequences must split into "
+                f"optim.num_mini_batches ({o.num_mini_batches}) x optim.micro_batch_size "
+                f"({o.micro_batch_size})"
+            )
+        updates_total = max(1, setup.total_steps * o.ppo_epochs * o.num_mini_batches)
+        self.optimizer = make_optimizer(
+            o.lr,
+            total_steps=updates_total,
+            warmup_steps=o.warmup_steps,
+            schedule=o.schedule,
+            min_lr_ratio=o.min_lr_ratio,
+            weight_decay=o.weight_decay,
+            b1=o.b1,
+            b2=o.b2,
+            eps=o.eps,
+            grad_clip=o.grad_clip,
+        )
+        self._setup_shardings(params)
+        if self._param_sh is not None:
+            params = jax.device_put(params, self._param_sh)
+        # The update donates the state: the reference policy needs buffers of its own.
+        self.ref_params = jax.tree.map(jnp.copy, params) if a.kl_coef > 0 else None
+        self.state = create_train_state(
+            params, self.optimizer, setup.seed, param_shardings=self._param_sh
+        )
+        self.pcfg = objectives.policy_loss_config(a, setup.max_response_len)
+        # One optimizer step per rollout batch and no KL folded into the rewards: the old
+        # log-probs need no separate forward (see objectives.actor_loss).
+        self.single_update = o.ppo_epochs == 1 and o.num_mini_batches == 1 and not a.kl_in_reward
+        self.acfg = objectives.advantage_config(a, critic, setup.group_size)
+        self.critic_state = None
+        if a.uses_critic:
+            critic_params = policy.init_value_head(model_cfg, params)
+            self.critic_optimizer = make_optimizer(
+                critic.lr,
+                total_steps=updates_total,
+                warmup_steps=critic.warmup_steps,
+                grad_clip=o.grad_clip,
+            )
+            if mesh is not None:
+                self._critic_sh = sharding.tree_shardings(
+                    policy.critic_logical_axes(model_cfg), mesh, rules, shapes=critic_params
+                )
+            self.critic_state = create_train_state(
+                critic_params, self.critic_optimizer, setup.seed, param_shardings=self._critic_sh
+            )
+            if mesh is not None:
+                self._critic_state_sh = train_state_shardings(
+                    self.critic_state, self._critic_sh, mesh
+                )
+        if mesh is not None:
+            self._state_sh = train_state_shardings(self.state, self._param_sh, mesh)
+        self._adv_fns: dict[int, Callable] = {}
+        self._build_fns()
+
+    # ------------------------------------------------------------------ shardings
+
+    def _setup_shardings(self, params) -> None:
+        """Shardings of params, batches ([B, ...] rows and [M, b, ...] micro-batches)."""
+        self._param_sh = self._critic_sh = self._state_sh = self._critic_state_sh = None
+        self._rows_sh = self._micro_sh = self._replicated = None
+        mesh = self.mesh
+        if mesh is None:
+            return
+        self._param_sh = sharding.tree_shardings(
+            models.logical_axes(self.model_cfg), mesh, self.rules, shapes=params
+        )
+        batch_axes = sharding.logical_to_spec(("batch",), self.rules)[0]
+        self._rows_sh = NamedSharding(mesh, PartitionSpec(batch_axes))
+        self._micro_sh = NamedSharding(mesh, PartitionSpec(None, batch_axes))
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        names = (
+            ()
+            if batch_axes is None
+            else ((batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes))
+        )
+        n = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+        for what, size in (
+            ("data.batch_size x rollout.group_size", self.rows),
+            ("optim.micro_batch_size", self.optim.micro_batch_size),
+        ):
+            if size % n:
+                raise ValueError(
+                    f"{what} = {size} does not split over the {n} devices of the mesh's batch "
+                    f"axes {names} (mesh {dict(mesh.shape)})"
+                )
+
+    def _jit(self, fn: Callable, *, in_shardings=None, out_shardings=None, **kwargs) -> Callable:
+        """jax.jit, with shardings and traced (and run) inside `use_mesh` when there is a mesh."""
+        if self.mesh is None:
+            return jax.jit(fn, **kwargs)
+        jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, **kwargs)
+
+        def call(*args):
+            with sharding.use_mesh(self.mesh, self.rules):
+                return jitted(*args)
+
+        return call
+
+    def _place(self, x: np.ndarray) -> jax.Array:
+        """A host array with a leading batch axis onto the device(s)."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, self._rows_sh)
+
+    # ------------------------------------------------------------------ jitted functions
+
+    def _build_fns(self) -> None:
+        mcfg, pcfg, s = self.model_cfg, self.pcfg, self.setup
+        temperature = max(s.temperature, 1e-6)
+        logprobs = functools.partial(objectives.sequence_logprobs, mcfg, temperature, s.remat)
+        actor_loss = functools.partial(
+            objectives.actor_loss, mcfg, pcfg, temperature, s.remat, self.algorithm.nll_coef
+        )
+        actor_denom = functools.partial(objectives.actor_denominator, pcfg)
+        rows, micro, rep = self._rows_sh, self._micro_sh, self._replicated
+        mbs = self.optim.micro_batch_size
+
+        def with_selection(update):
+            # Mini-batch rows are gathered inside the jit: the batch stays where it is placed.
+            def run(state, batch, idx_N):
+                return update(state, _select_micro(batch, idx_N, mbs, micro))
+
+            return run
+
+        self._logprobs = self._jit(
+            logprobs, in_shardings=(self._param_sh, rows), out_shardings=(rows, rows)
+        )
+        self._actor_update = self._jit(
+            with_selection(make_update(actor_loss, self.optimizer, denoms_fn=actor_denom)),
+            in_shardings=(self._state_sh, rows, rep),
+            out_shardings=(self._state_sh, rep),
+            donate_argnums=0,
+        )
+        if self.critic_state is not None:
+            values = functools.partial(objectives.token_values, mcfg)
+            critic_loss = functools.partial(
+                objectives.critic_loss, mcfg, self.critic.value_clip_eps
+            )
+            self._values = self._jit(
+                values, in_shardings=(self._critic_sh, rows), out_shardings=rows
+            )
+            self._critic_update = self._jit(
+                with_selection(
+                    make_update(
+                        critic_loss,
+                        self.critic_optimizer,
+                        denoms_fn=objectives.critic_denominator,
+                    )
+                ),
+                in_shardings=(self._critic_state_sh, rows, rep),
+                out_shardings=(self._critic_state_sh, rep),
+                donate_argnums=0,
+            )
+
+    def _advantages(self, inputs: dict[str, jax.Array], n_rows: int) -> tuple:
+        """(advantages, returns), [rows, T]: the estimator sees only the first `n_rows` rows
+        (padding rows would form fake groups); the rest are 0. One compile per `n_rows`."""
+        if n_rows not in self._adv_fns:
+            est, acfg, rows = self.algorithm.adv_estimator, self.acfg, self.rows
+
+            def advantages(x):
+                adv, ret = algorithms.compute_advantages(
+                    est,
+                    algorithms.AdvantageInputs(**{k: v[:n_rows] for k, v in x.items()}),
+                    config=acfg,
+                )
+                pad = lambda a: jnp.pad(a, ((0, rows - n_rows), (0, 0)))
+                return pad(adv), pad(ret)
+
+            self._adv_fns[n_rows] = self._jit(
+                advantages,
+                in_shardings=(self._rows_sh,),
+                out_shardings=(self._rows_sh, self._rows_sh),
+            )
+        return self._adv_fns[n_rows](inputs)
+
+    # ------------------------------------------------------------------ one RL step
+
+    @property
+    def params(self):
+        return self.state.params
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        """One RL update on a Batch; returns the batch's metrics plus the update's."""
+        metrics = dict(batch.metrics)
+        if batch.num_rows == 0:  # every group filtered out
+            metrics["time/update_s"] = 0.0
+            return metrics
+        if batch.tokens_RT.shape[0] != self.rows:
+            raise ValueError(f"batch has {batch.tokens_RT.shape[0]} rows, the trainer {self.rows}")
+        t1 = time.perf_counter()
+        b = {
+            "tokens": batch.tokens_RT,
+            "positions": batch.positions_RT,
+            "attention": batch.attention_RT,
+            "loss_mask": batch.loss_mask_RT,
+            "correct": (batch.scores_R > 0).astype(np.float32),
+        }
+        b = {k: self._place(v) for k, v in b.items()}
+        seqs = {k: b[k] for k in ("tokens", "positions", "attention", "loss_mask")}
+        if not self.single_update:
+            b["old_logp"], _ = self._logprobs(self.state.params, seqs)
+        if self.ref_params is not None:
+            b["ref_logp"], _ = self._logprobs(self.ref_params, seqs)
+        adv_inputs = {"loss_mask_BT": b["loss_mask"], "scores_B": self._place(batch.scores_R)}
+        a = self.algorithm
+        if a.kl_in_reward and self.ref_params is not None:
+            adv_inputs["kl_BT"] = (
+                algorithms.kl_penalty(b["old_logp"], b["ref_logp"], a.kl_type) * b["loss_mask"]
+            )
+        if self.critic_state is not None:
+            b["old_values"] = self._values(self.critic_state.params, seqs)
+            adv_inputs["values_BT"] = b["old_values"]
+        b["advantages"], b["returns"] = self._advantages(adv_inputs, batch.num_rows)
+        metrics.update(self._update(b))
+        jax.block_until_ready(self.state.params)
+        t_update = time.perf_counter() - t1
+        n_tokens = float(np.sum(batch.attention_RT))
+        metrics["time/update_s"] = t_update
+        metrics["throughput/update_tokens_per_s"] = (
+            n_tokens * self.optim.ppo_epochs / max(t_update, 1e-9)
+        )
+        metrics["actor/advantage_mean"] = float(
+            algorithms.masked_mean(b["advantages"], b["loss_mask"])
+        )
+        return metrics
+
+    def _actor_moves(self) -> bool:
+        """False during VAPO's value pre-training: the first `critic.pretrain_steps` RL steps
+        train only the critic."""
+        if self.critic_state is None or not self.critic.pretrain_steps:
+            return True
+        o = self.optim
+        rl_steps_done = int(self.critic_state.step) // (o.ppo_epochs * o.num_mini_batches)
+        return rl_steps_done >= self.critic.pretrain_steps
+
+    def _update(self, batch: dict) -> dict[str, float]:
+        o = self.optim
+        n_mini = o.num_mini_batches
+        mini = self.rows // n_mini
+        rng = np.random.default_rng(int(self.state.step) + self.setup.seed)
+        actor_keys = list(_ACTOR_KEYS) + [k for k in ("old_logp", "ref_logp") if k in batch]
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(o.ppo_epochs):
+            order = rng.permutation(self.rows)
+            for k in range(n_mini):
+                idx = order[k * mini : (k + 1) * mini].astype(np.int32)
+                idx = (
+                    jnp.asarray(idx) if self.mesh is None else jax.device_put(idx, self._replicated)
+                )
+                m = {}
+                if self._actor_moves():
+                    actor_batch = {key: batch[key] for key in actor_keys}
+                    self.state, m = self._actor_update(self.state, actor_batch, idx)
+                    m = {f"actor/{key}": v for key, v in m.items()}
+                if self.critic_state is not None:
+                    critic_batch = {key: batch[key] for key in _CRITIC_KEYS}
+                    self.critic_state, cm = self._critic_update(
+                        self.critic_state, critic_batch, idx
+                    )
+                    m.update({f"critic/{key}": v for key, v in cm.items()})
+                for key, v in m.items():
+                    sums[key] = sums.get(key, 0.0) + float(v)
+                count += 1
+        return {k: v / count for k, v in sums.items()}
+
+    # ------------------------------------------------------------------ checkpoint support
+
+    def checkpoint_state(self) -> dict:
+        state = {"actor": self.state}
+        if self.critic_state is not None:
+            state["critic"] = self.critic_state
+        if self.ref_params is not None:
+            state["ref"] = self.ref_params
+        return state
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self.state = state["actor"]
+        if self.critic_state is not None:
+            self.critic_state = state["critic"]
+        if self.ref_params is not None:
+            self.ref_params = state["ref"]

@@ -1,0 +1,143 @@
+"""The records stages exchange, and the protocols modules meet at.
+
+    records (data) -> Sampler -> [Trajectory] -> make_batch (train.batch) -> Batch -> RLTrainer
+
+A `Record` is one prompt row (a plain mapping: "prompt", "ground_truth", optional "tools",
+"id", "difficulty", ...). Trajectories are token-in-token-out: `response_ids` are exactly the
+tokens sampled or inserted, with `loss_mask` 1 on model tokens and 0 on observations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+Record = Mapping[str, Any]
+
+
+class Tokenizer(Protocol):
+    """What the library uses of a Hugging Face tokenizer."""
+
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def apply_chat_template(self, conversation: Sequence[Mapping], **kwargs: Any) -> Any: ...
+
+
+@dataclasses.dataclass
+class ToolCallRecord:
+    """One tool call of a trajectory (or a malformed attempt: name None, error set)."""
+
+    name: str | None
+    arguments: dict | None
+    ok: bool
+    error: str | None
+    latency_s: float
+    executed: bool
+    turn: int
+    observation: str = ""
+
+
+@dataclasses.dataclass
+class Span:
+    """A contiguous run of response tokens: kind "model" or "observation", [start, end)."""
+
+    kind: str
+    start: int
+    end: int
+    reward: float | None = None  # environment reward of an observation turn
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One sampled response (token-in-token-out).
+
+    Attributes:
+      prompt_index, sample_index: which prompt / which of its G samples.
+      prompt_ids: the prompt tokens.
+      response_ids: every token after the prompt, exactly as sampled or inserted.
+      loss_mask: 1 on model-sampled response tokens, 0 on inserted ones (aligned with
+        response_ids).
+      logprobs: behaviour log-probs of sampled tokens (0.0 on inserted ones).
+      spans: model / observation turns in response coordinates.
+      tool_calls: ToolCallRecord per call attempt (executed or not).
+      num_tool_calls: calls actually executed.
+      finish_reason: "eos" | "stop" | "length" | "budget" | "turns" | "done".
+      env_rewards: rewards returned by the environment, one per env step.
+      response_text: decoded response (when a tokenizer was given).
+    """
+
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    response_ids: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    spans: list[Span] = dataclasses.field(default_factory=list)
+    tool_calls: list[ToolCallRecord] = dataclasses.field(default_factory=list)
+    num_tool_calls: int = 0
+    finish_reason: str = ""
+    env_rewards: list[float] = dataclasses.field(default_factory=list)
+    response_text: str = ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        """prompt_ids + response_ids."""
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def full_loss_mask(self) -> list[int]:
+        """loss_mask over token_ids (0 on the prompt)."""
+        return [0] * len(self.prompt_ids) + self.loss_mask
+
+    @property
+    def num_turns(self) -> int:
+        return sum(s.kind == "model" for s in self.spans)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One RL update's input: trajectories packed into right-padded [R, T] host arrays.
+
+    Rows past `num_rows` are padding (all-zero masks): they change no sum and no denominator,
+    and advantage estimators never see them. R (rows) is fixed per run so the update compiles
+    once per length bucket T.
+
+    Attributes:
+      tokens_RT, positions_RT, attention_RT: the sequences (prompt + response).
+      loss_mask_RT: 1 on model-sampled response tokens.
+      behaviour_logp_RT: the sampler's log-probs of those tokens (0 elsewhere).
+      scores_R: the trajectory rewards (0 on padding rows).
+      num_rows: real rows, G consecutive ones per kept prompt group.
+      metrics: host statistics of the rollout (rewards, tool use, lengths, filters).
+    """
+
+    tokens_RT: np.ndarray
+    positions_RT: np.ndarray
+    attention_RT: np.ndarray
+    loss_mask_RT: np.ndarray
+    behaviour_logp_RT: np.ndarray
+    scores_R: np.ndarray
+    num_rows: int
+    metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+class Sampler(Protocol):
+    """Records -> trajectories, `group_size` consecutive ones per record."""
+
+    def __call__(
+        self,
+        records: Sequence[Record],
+        group_size: int,
+        params: Any,
+        *,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> list[Trajectory]: ...

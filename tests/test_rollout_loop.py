@@ -1,0 +1,366 @@
+"""Agent loop: HF greedy parity without tools, scripted tool calls (budget, malformed calls,
+stop strings ending mid-token), RAGEN-style environment turns."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxrl_tools import models
+from jaxrl_tools.demo.tokenizer import build_tokenizer
+from jaxrl_tools.prompts import chat_continuation
+from jaxrl_tools.rollout import BUDGET_NOTICE, RolloutLimits, run_rollouts
+from jaxrl_tools.rollout.engine import EngineCore
+from jaxrl_tools.rollout.sampling import GREEDY
+from jaxrl_tools.tools import Observation, ToolExecutor, function_tool, get_parser
+
+VOCAB = 96
+
+
+def _hf_model(tmp_path, kind):
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    cfg = {
+        "qwen2": lambda: transformers.Qwen2Config(**common, tie_word_embeddings=True),
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=16),
+        "llama": lambda: transformers.LlamaConfig(**common),
+    }[kind]()
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+    hf.eval()
+    hf.save_pretrained(tmp_path / kind)
+    config, params = models.from_pretrained(tmp_path / kind)
+    return hf, config, params
+
+
+def _hf_greedy(hf, prompts, n, eos):
+    T = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), T), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p) :] = torch.tensor(p)
+        mask[i, T - len(p) :] = 1
+    with torch.no_grad():
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=eos,
+        )
+    res = []
+    for row in out[:, T:].tolist():
+        res.append(row[: row.index(eos) + 1] if eos in row else row)
+    return res
+
+
+PROMPTS = [[5, 17, 33, 2, 9, 41, 12], [7, 3], [11, 64, 25, 18, 90, 4, 31, 56, 77], [8, 8, 1]]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+def test_greedy_rollout_matches_hf_generate(tmp_path, kind):
+    hf, config, params = _hf_model(tmp_path, kind)
+    n = 10
+    # EOS = a token prompt 1 emits greedily at step 3: sequences end at different times, so
+    # freed slots are refilled (4 prompts, 2 slots).
+    eos = _hf_greedy(hf, PROMPTS, n, eos=None)[1][3]
+    ref = _hf_greedy(hf, PROMPTS, n, eos=eos)
+    eng = EngineCore(
+        config, params, slots=4, max_len=64, max_prefill_length=16, eos_token_ids=[eos]
+    )
+    trajs = run_rollouts(
+        eng,
+        params,
+        PROMPTS + PROMPTS[:2],
+        sampling=GREEDY,
+        limits=RolloutLimits(max_response_tokens=n, chunk_size=4),
+    )
+    ref = ref + ref[:2]
+    assert [t.response_ids for t in trajs] == ref
+    for t, r in zip(trajs, ref):
+        assert t.finish_reason == ("eos" if r[-1] == eos else "length")
+        assert t.loss_mask == [1] * len(r)
+        assert t.prompt_ids == (PROMPTS + PROMPTS[:2])[t.prompt_index]
+        assert all(lp <= 0 for lp in t.logprobs)
+
+
+# ---------------------------------------------------------------- scripted tool-calling runs
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok") / "t", vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def tiny(tok):
+    config = models.ModelConfig(
+        model_type="qwen2",
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
+    return config, models.init_params(config, jax.random.PRNGKey(0))
+
+
+SCRIPT_LEN = 160
+
+
+def forcing_hook(logits_BV, sampled_B, script_K):
+    """logits_hook forcing the model to emit `script_K` (indexed by tokens sampled so far).
+
+    One module-level function whose script is traced data: every test shares its compile."""
+    want_B = script_K[jnp.minimum(sampled_B, SCRIPT_LEN - 1)]
+    hit = jnp.arange(logits_BV.shape[-1])[None] == want_B[:, None]
+    return jnp.where(hit, 0.0, -1e9)
+
+
+def _enc(tok, s):
+    return tok.encode(s, add_special_tokens=False)
+
+
+def _engine(tiny, tok, segments, slots=2):
+    config, params = tiny
+    script = [t for s in segments for t in _enc(tok, s)]
+    script += [script[-1]] * (SCRIPT_LEN - len(script))
+    eng = EngineCore(
+        config,
+        params,
+        slots=slots,
+        max_len=768,
+        max_prefill_length=512,
+        tokenizer=tok,
+        logits_hook=forcing_hook,
+        hook_data=jnp.asarray(script, jnp.int32),
+    )
+    return eng, params
+
+
+def _spans_text(tok, t):
+    return [
+        (s.kind, tok.decode(t.response_ids[s.start : s.end], skip_special_tokens=False))
+        for s in t.spans
+    ]
+
+
+@function_tool
+def add(a: int, b: int) -> str:
+    """Adds two integers."""
+    return str(a + b)
+
+
+def test_scripted_qwen_tool_calls_with_budget(tiny, tok):
+    call1 = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    call2 = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}\n</tool_call>'
+    answer = "The answer is 5.<|im_end|>"
+    eng, params = _engine(tiny, tok, [call1, call2, answer])
+    parser = get_parser("qwen")
+    executor = ToolExecutor([add])
+    msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+    trajs = run_rollouts(
+        eng,
+        params,
+        [msgs],
+        tokenizer=tok,
+        num_samples=3,
+        protocol=parser,
+        executor=executor,
+        sampling=GREEDY,
+        limits=RolloutLimits(max_tool_calls=1, chunk_size=8, max_response_tokens=200),
+    )
+    assert len(trajs) == 3  # 3 samples on 2 slots
+    # tool results are "tool" turns of the tokenizer's chat template
+    obs1 = chat_continuation(tok, "tool", ["5"])
+    obs2 = chat_continuation(tok, "tool", [BUDGET_NOTICE])
+    for t in trajs:
+        assert _spans_text(tok, t) == [
+            ("model", call1),
+            ("observation", obs1),
+            ("model", call2),
+            ("observation", obs2),
+            ("model", answer),
+        ]
+        assert t.finish_reason == "eos"
+        assert t.num_tool_calls == 1
+        assert [(c.name, c.arguments, c.executed, c.ok) for c in t.tool_calls] == [
+            ("add", {"a": 2, "b": 3}, True, True),
+            ("add", {"a": 1, "b": 1}, False, False),
+        ]
+        assert t.tool_calls[1].error == "budget"
+        # loss mask: 1 exactly on the model spans; token ids are the script + inserted tokens
+        for s in t.spans:
+            assert set(t.loss_mask[s.start : s.end]) == {1 if s.kind == "model" else 0}
+        assert t.response_ids == (
+            _enc(tok, call1)
+            + _enc(tok, obs1)
+            + _enc(tok, call2)
+            + _enc(tok, obs2)
+            + _enc(tok, answer)
+        )
+        assert t.prompt_ids == _enc(
+            tok,
+            tok.apply_chat_template(
+                msgs, tools=executor.schemas(), add_generation_prompt=True, tokenize=False
+            ),
+        )
+        assert t.num_turns == 3
+
+
+def test_stop_string_mid_token_malformed_call_and_errors(tiny, tok):
+    @function_tool
+    def python(code: str) -> str:
+        """Runs code."""
+        if "boom" in code:  # a failing run: its error text is inserted as the tool gave it
+            return Observation(ok=False, text="ZeroDivisionError: division by zero")
+        return "2\n" * 400  # long output: cut to head ... tail
+
+    seg1 = "<code>print(1+1)</code>\n"  # "</code>" ends inside the token ">\n"
+    seg2 = "<code></code>\n"  # empty block: a parse error, returned as an observation
+    seg3 = "<code>boom</code>\n"
+    answer = "<answer>2</answer><|im_end|>"
+    eng, params = _engine(tiny, tok, [seg1, seg2, seg3, answer])
+    ids1 = _enc(tok, seg1)
+    assert tok.decode(ids1[-1:]) == ">\n"
+    parser = get_parser("retool")
+    trajs = run_rollouts(
+        eng,
+        params,
+        [[1, 2, 3]],
+        tokenizer=tok,
+        protocol=parser,
+        executor=ToolExecutor([python]),
+        sampling=GREEDY,
+        limits=RolloutLimits(
+            max_tool_calls=5, chunk_size=16, max_obs_tokens=48, max_response_tokens=300
+        ),
+    )
+    (t,) = trajs
+    kinds = _spans_text(tok, t)
+    assert [k for k, _ in kinds] == ["model", "observation"] * 3 + ["model"]
+    # the whole ">\n" token is kept, nothing after it
+    assert t.response_ids[: len(ids1)] == ids1 and kinds[0][1] == seg1
+    assert [c.ok for c in t.tool_calls] == [True, False, False]
+    assert [c.executed for c in t.tool_calls] == [True, False, True]
+    assert t.tool_calls[1].name is None and "empty <code>" in t.tool_calls[1].error
+    assert "empty <code>" in kinds[3][1]
+    long_obs = t.tool_calls[0].observation
+    assert "..." in long_obs and len(_enc(tok, long_obs)) <= 50
+    assert t.tool_calls[2].observation == "ZeroDivisionError: division by zero"
+    assert t.num_tool_calls == 2 and t.finish_reason == "eos"
+    assert kinds[-1] == ("model", answer)
+
+
+def test_final_stop_string_cuts_exactly(tiny, tok):
+    text = "The answer is 5.<|im_end|>"
+    eng, params = _engine(tiny, tok, [text])
+    ids = _enc(tok, text)
+    (t,) = run_rollouts(
+        eng,
+        params,
+        [[4, 5]],
+        tokenizer=tok,
+        stop_strings=["nsw"],
+        sampling=GREEDY,
+        limits=RolloutLimits(chunk_size=8),
+    )
+    # "nsw" ends inside the token " answer": that token is the last one kept
+    assert t.response_ids == ids[:2] and t.finish_reason == "stop"
+    (t,) = run_rollouts(
+        eng,
+        params,
+        [[4, 5]],
+        tokenizer=tok,
+        sampling=GREEDY,
+        limits=RolloutLimits(chunk_size=8, max_response_tokens=3),
+    )
+    assert t.response_ids == ids[:3] and t.finish_reason == "length"
+
+
+class GridEnv:
+    """Two-step environment: reward 0.5 per step, done after the second action."""
+
+    def __init__(self):
+        self.steps = 0
+        self.actions = []
+
+    def step(self, action_text):
+        self.steps += 1
+        self.actions.append(action_text)
+        return f"state {self.steps}", 0.5, self.steps >= 2
+
+
+def test_env_turns_ragen_style(tiny, tok):
+    turn = "<answer>Up</answer><|im_end|>"
+    eng, params = _engine(tiny, tok, [turn, turn, turn])
+    envs = {}
+
+    def factory(pi, g):
+        envs[(pi, g)] = GridEnv()
+        return envs[(pi, g)]
+
+    trajs = run_rollouts(
+        eng,
+        params,
+        [[1, 2], [3, 4, 5]],
+        tokenizer=tok,
+        env_factory=factory,
+        sampling=GREEDY,
+        limits=RolloutLimits(chunk_size=8, max_turns=5),
+    )
+    for t in trajs:
+        assert t.finish_reason == "done" and t.env_rewards == [0.5, 0.5]
+        kinds = _spans_text(tok, t)
+        assert kinds == [
+            ("model", turn),
+            ("observation", "\n<|im_start|>user\nstate 1<|im_end|>\n<|im_start|>assistant\n"),
+            ("model", turn),
+        ]
+        assert envs[(t.prompt_index, 0)].actions == [turn, turn]
+    # max_turns=1: the first env turn is not run
+    (t,) = run_rollouts(
+        eng,
+        params,
+        [[1, 2]],
+        tokenizer=tok,
+        env_factory=factory,
+        sampling=GREEDY,
+        limits=RolloutLimits(chunk_size=8, max_turns=1),
+    )
+    assert t.finish_reason == "turns"
+
+
+def test_sampled_rollouts_are_reproducible_and_logprobs_match(tiny):
+    config, params = tiny
+    eng = EngineCore(config, params, slots=2, max_len=64, max_prefill_length=16, eos_token_ids=[])
+    lim = RolloutLimits(max_response_tokens=12, chunk_size=8)
+    a = run_rollouts(eng, params, [[1, 2, 3], [4, 5]], num_samples=2, rng=7, limits=lim)
+    b = run_rollouts(eng, params, [[1, 2, 3], [4, 5]], num_samples=2, rng=7, limits=lim)
+    assert [t.response_ids for t in a] == [t.response_ids for t in b]
+    assert a[0].response_ids != a[1].response_ids  # each sample its own key
+    assert all(t.finish_reason == "length" and len(t.response_ids) == 12 for t in a)
+    t = a[2]
+    fwd = jax.jit(models.forward, static_argnums=0)
+    logp = jax.nn.log_softmax(fwd(config, params, jnp.asarray([t.token_ids]))[0], -1)
+    P = len(t.prompt_ids)
+    ref = [float(logp[P - 1 + i, tok]) for i, tok in enumerate(t.response_ids)]
+    np.testing.assert_allclose(t.logprobs, ref, atol=1e-4)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from fakes import TINY_RUN_MODEL
 
-from jaxrl_tools import check, data, run, tools
+from jaxrl_tools import check, prompts, run, tools
 from jaxrl_tools.cli import main, split_overrides
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import load_config
@@ -424,4 +424,4 @@ def test_smoke_train_runs_two_steps(capsys, tmp_path, monkeypatch):
     assert len((out / "logs" / "metrics.jsonl").read_text().splitlines()) == 2
     assert (out / "checkpoints" / "2").is_dir()
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["smoke"]
-    assert data.load_tokenizer(out / "tokenizer") is not None
+    assert prompts.load_tokenizer(out / "tokenizer") is not None

@@ -42,7 +42,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_tools import prompts
+from jaxrl_tools.prompts import chat_continuation, render_prompt
 from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.rollout.stops import scan_chunk
 from jaxrl_tools.tools import Observation, get_parser
@@ -131,7 +131,7 @@ def _render_prompt(prompt, tokenizer, tools_schema) -> list[int]:
     if prompt and isinstance(prompt[0], dict):
         if tokenizer is None:
             raise ValueError("chat-message prompts need a tokenizer (for its chat template)")
-        text = prompts.render_prompt(tokenizer, {"prompt": list(prompt)}, tools_schema or None)
+        text = render_prompt(tokenizer, {"prompt": list(prompt)}, tools_schema or None)
         return list(tokenizer.encode(text, add_special_tokens=False))
     return [int(x) for x in prompt]
 
@@ -287,7 +287,7 @@ async def arun_rollouts(
             return parser.format_observation(texts)
         if role == "user" and env_format is not None:
             return env_format(texts[0])
-        return prompts.chat_continuation(tokenizer, role, texts)
+        return chat_continuation(tokenizer, role, texts)
 
     async def resolve(s: _Sample, kind: str, seg_text: str, parsed, ended_with_eos: bool):
         """Returns ("append", tokens, reward) or ("finish", reason)."""

@@ -1,23 +1,31 @@
-"""Sandbox pool latency/throughput vs a fresh `python -c` process.
+"""Sandbox pool latency/throughput vs a fresh `python -c` process (and vs an earlier version).
 
 Usage: python benchmarks/bench_sandbox.py [--calls 200] [--fresh-calls 20] [--workers N]
+                                          [--against GIT_REF]
 
 Reports, for print(1+1) and a small numpy snippet: median and p99 wall latency per call through
 the pool (sequential calls; for print(1+1) this is all overhead) and the overhead beyond the
 the time measured inside the sandbox (fork, rlimits, Landlock, seccomp, run, reap), next to a fresh
 unsandboxed `python -c` subprocess of the same code; then throughput with every worker busy.
 Goal: median pool overhead <= 15 ms.
+
+`--against REF` also loads the sandbox (tools/sandbox.py, pool.py, _sandbox_worker.py) as it was
+at git REF and times print(1+1) through both pools in alternating rounds, so a change to the
+sandbox is measured against its predecessor under the same machine load.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -72,12 +80,61 @@ def bench_throughput(pool: SandboxPool, code: str, n: int) -> float:
     return asyncio.run(go())
 
 
+def sandbox_at(ref: str):
+    """(SandboxPool, SandboxConfig) of the sandbox as it was at git `ref`, from a temp copy."""
+    repo = Path(__file__).resolve().parents[1]
+    pkg = Path(tempfile.mkdtemp()) / "sandbox_at_ref"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name in ("sandbox.py", "pool.py", "_sandbox_worker.py"):
+        src = subprocess.run(
+            ["git", "show", f"{ref}:tools/{name}"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        (pkg / name).write_text(src.replace("jaxrl_tools.tools.sandbox", "sandbox_at_ref.sandbox"))
+    sys.path.insert(0, str(pkg.parent))
+    old = importlib.import_module("sandbox_at_ref.pool")
+    return old.SandboxPool, importlib.import_module("sandbox_at_ref.sandbox").SandboxConfig
+
+
+def compare(ref: str, calls: int, workers: int, rounds: int = 4) -> None:
+    """print(1+1) latency here vs at `ref`, alternating rounds of calls/rounds each."""
+    old_pool_cls, old_cfg_cls = sandbox_at(ref)
+    pools = {
+        "this tree": SandboxPool(workers, SandboxConfig(timeout_s=10.0)),
+        ref: old_pool_cls(workers, old_cfg_cls(timeout_s=10.0)),
+    }
+    lat = {name: [] for name in pools}
+    try:
+        for p in pools.values():
+            p.run_sync("print(1+1)")
+        for _ in range(rounds):
+            for name, p in pools.items():
+                r = bench_pool(p, "print(1+1)", calls // rounds)
+                lat[name].append(r["median_ms"])
+    finally:
+        for p in pools.values():
+            p.close()
+    here, there = (float(np.median(v)) for v in lat.values())
+    print(
+        f"print(1+1), alternating rounds: this tree median {here:.1f} ms, {ref} {there:.1f} ms "
+        f"(ratio {here / there:.2f}; per round: {[round(x, 1) for x in lat['this tree']]} vs "
+        f"{[round(x, 1) for x in lat[ref]]})"
+    )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--fresh-calls", type=int, default=20)
     ap.add_argument("--workers", type=int, default=os.cpu_count())
+    ap.add_argument("--against", metavar="GIT_REF", help="also time the sandbox as of this ref")
     args = ap.parse_args()
+    if args.against:
+        compare(args.against, args.calls, args.workers)
     t0 = time.monotonic()
     pool = SandboxPool(args.workers, SandboxConfig(timeout_s=10.0))
     report = {

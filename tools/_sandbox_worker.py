@@ -1,12 +1,14 @@
 """Sandbox worker: runs INSIDE the sandbox (bwrap namespaces, unprivileged uid).
 
-Started once per pool slot by `sandbox.py`; imports numpy/sympy/math once, then serves requests
-read from stdin as length-prefixed JSON frames. Each snippet runs in a forked child that, before
-running model code, gets: its own process group, a fresh work dir, rlimits (CPU, address space,
-nproc, fsize, nofile, core), a Landlock domain (read-only view, writes only in its work dir, no
-TCP, no signals or abstract sockets outside its own domain) and a seccomp filter (no inet
-sockets, ptrace, mount, namespaces, bpf, ...). After each snippet every process in the sandbox's
-pid namespace except this worker is SIGKILLed (`kill(-1)`), so nothing outlives a call.
+Started once per pool slot by `sandbox.py`; imports numpy/sympy/math once, forks its zygote, then
+serves requests read from stdin as length-prefixed JSON frames. The zygote, which never sees a
+request's data, forks one process per snippet; before running model code it gets: its own
+process group, a fresh work dir, rlimits (CPU, address space, nproc, fsize, nofile, core), first
+place for the OOM killer, a Landlock domain (read-only view, writes only in its work dir, no TCP,
+no signals or abstract sockets outside its own domain) and a seccomp filter (no sockets but
+socketpair, no IPC objects or memfds, no ptrace, mount, namespaces, bpf, ...). After each snippet
+every process in the sandbox but the worker and its zygote is SIGKILLed, the answer is sent, the
+work dir is emptied (bounded in time) and a "ready" frame tells the host the worker is clean.
 
 Self-contained on purpose (standard library + pyseccomp only): it is bound into the sandbox as a
 single file, the jaxrl_tools package is not visible there.
@@ -19,9 +21,9 @@ import json
 import os
 import resource
 import select
-import shutil
 import signal
 import socket
+import stat
 import struct
 import sys
 import tempfile
@@ -155,6 +157,38 @@ _DENY_SYSCALLS = (
     "syslog",
     "vhangup",
     "personality",
+    # No IPC object may outlive a call (SysV and POSIX message queues live in the sandbox's
+    # IPC namespace, shared by every call of a worker), and no memory outside RLIMIT_AS.
+    "shmget",
+    "shmat",
+    "shmctl",
+    "shmdt",
+    "msgget",
+    "msgsnd",
+    "msgrcv",
+    "msgctl",
+    "semget",
+    "semop",
+    "semtimedop",
+    "semctl",
+    "mq_open",
+    "mq_unlink",
+    "mq_timedsend",
+    "mq_timedreceive",
+    "mq_notify",
+    "mq_getsetattr",
+    "memfd_create",
+    "memfd_secret",
+    # No sockets at all: Landlock does not cover connecting to a bound unix-socket file.
+    # socketpair (already connected) stays; sendto with an address is refused below.
+    "socket",
+    "connect",
+    "bind",
+    "listen",
+    "accept",
+    "accept4",
+    "sendmsg",
+    "sendmmsg",
 )
 _CLONE_NS_FLAGS = (
     0x00020000,
@@ -198,8 +232,7 @@ def build_seccomp_filter():
             f.add_rule(sc.ERRNO(errno.EPERM), name)
         except Exception:  # noqa: BLE001 -- syscall unknown on this arch
             pass
-    # Only AF_UNIX sockets (no TCP/UDP/raw/netlink, even though the netns is empty anyway).
-    f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.NE, socket.AF_UNIX))
+    f.add_rule(sc.ERRNO(errno.EPERM), "sendto", sc.Arg(4, sc.NE, 0))  # an address given
     # clone3's flags live in memory seccomp cannot read: ENOSYS makes libc fall back to clone.
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
     for flag in _CLONE_NS_FLAGS:
@@ -261,7 +294,18 @@ class _Capture:
         return head + "\n...\n" + self.tail.decode("utf-8", "replace")
 
 
+class ZygoteLost(RuntimeError):
+    """The zygote process is gone (e.g. a snippet signalled it): this worker must be replaced."""
+
+
 class Worker:
+    """Serves requests; its zygote forks the snippets.
+
+    The zygote is forked before any request is read and only ever receives file descriptors,
+    so a snippet, a copy of the zygote's memory, cannot find an earlier call's code, stdin,
+    files or output there (a fork of this process could: its heap keeps freed request data).
+    """
+
     def __init__(self, cfg: dict, in_fd: int, out_fd: int):
         self.cfg = cfg
         self.in_fd, self.out_fd = in_fd, out_fd
@@ -274,13 +318,26 @@ class Worker:
             else []
         )
         self.base_vm = _vm_size()
-        self.devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-        self.to_delete: list[str] = []
         self.n = 0
+        self.cleanup_s = float(cfg.get("cleanup_timeout_s", 2.0))
         # /tmp is the sandbox's own tmpfs under bwrap; a private base dir keeps unsafe mode sane.
+        # It holds only the work dirs of calls, emptied after each one.
         self.base = tempfile.mkdtemp(prefix="sbx_", dir="/tmp")
+        self.ctrl, zsock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.zygote = os.fork()
+        if self.zygote == 0:
+            try:
+                self.ctrl.close()
+                os.close(in_fd)
+                os.close(out_fd)
+                self._zygote_loop(zsock)
+            finally:
+                os._exit(0)
+        zsock.close()
+        self.probe = self._probe()
 
     def hello(self) -> dict:
+        status = _proc_status()
         return {
             "ok": True,
             "uid": os.getuid(),
@@ -289,95 +346,159 @@ class Worker:
             "landlock_abi": self.abi,
             "seccomp": self.seccomp is not None,
             "net_ifaces": sorted(n for _, n in socket.if_nameindex()),
+            "namespaces": {
+                k: os.readlink(f"/proc/self/ns/{k}")
+                for k in ("user", "pid", "net", "ipc", "uts", "mnt", "cgroup")
+            },
+            "capabilities": {k: int(status.get(k, "0"), 16) for k in ("CapEff", "CapBnd")},
+            "no_new_privs": status.get("NoNewPrivs") == "1",
+            "env": sorted(os.environ),
+            "probe": self.probe,
             "base_vm_mb": self.base_vm // 2**20,
         }
 
     def serve(self) -> None:
         _send(self.out_fd, self.hello())
-        os.dup2(self.devnull, 2)  # the host stops reading our stderr once we are up
+        nul = os.open(os.devnull, os.O_RDWR)
+        os.dup2(nul, 2)  # the host stops reading our stderr once we are up
+        os.close(nul)
         while True:
             try:
                 req = _recv(self.in_fd)
             except EOFError:
-                _rmtree(self.base)
+                _empty_dir(self.base, time.monotonic() + self.cleanup_s)
                 return
+            lost = False
             try:
                 resp = self.run(req)
             except Exception as e:  # noqa: BLE001 -- the worker must keep serving
-                resp = {
-                    "status": "SandboxError",
-                    "stdout": "",
-                    "stderr": f"worker error: {e!r}",
-                    "return_code": None,
-                    "execution_time": 0.0,
-                }
+                lost = isinstance(e, ZygoteLost)
+                resp = _error(f"worker error: {e!r}")
             _send(self.out_fd, resp)
-            for d in self.to_delete:  # cleanup off the caller's critical path
-                _rmtree(d)
-            self.to_delete.clear()
+            # Cleanup off the caller's clock: the host hands this worker to the next caller
+            # only after this frame, and replaces it when the work dirs cannot be emptied in time.
+            ready = not lost and _empty_dir(self.base, time.monotonic() + self.cleanup_s)
+            _send(self.out_fd, {"ready": ready})
+            if not ready:
+                return
 
     # ----------------------------------------------------------------------------------
     def run(self, req: dict) -> dict:
-        timeout = float(req.get("timeout", 10.0))
-        replay = list(req.get("replay") or [])
-        total_timeout = timeout * (1 + len(replay))
         self.n += 1
         workdir = f"{self.base}/run_{self.n}"
         os.mkdir(workdir, 0o700)
         for rel, data in (req.get("files") or {}).items():
             path = os.path.normpath(os.path.join(workdir, rel))
             if not path.startswith(workdir + os.sep):
-                shutil.rmtree(workdir, ignore_errors=True)
-                return {
-                    "status": "SandboxError",
-                    "stdout": "",
-                    "stderr": f"bad file path {rel!r}",
-                    "return_code": None,
-                    "execution_time": 0.0,
-                }
+                return _error(f"bad file path {rel!r}")
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as fh:
                 fh.write(bytes.fromhex(data))
         stdin_path = os.path.join(workdir, ".stdin")
         with open(stdin_path, "w") as fh:
             fh.write(req.get("stdin") or "")
+        timeout = float(req.get("timeout", 10.0))
+        job = {
+            "code": req["code"],
+            "replay": list(req.get("replay") or []),
+            "workdir": workdir,
+            "stdin_path": stdin_path,
+            "timeout": timeout,
+            "total_timeout": float(req.get("total_timeout") or timeout),
+            **{k: req[k] for k in _LIMITS if k in req},
+        }
+        return self._execute(
+            job,
+            int(req.get("max_output_bytes", 65536)),
+            int(req.get("kill_output_bytes", 8 * 2**20)),
+        )
+
+    def _probe(self) -> dict:
+        """Runs the host's probe snippet under the full per-snippet setup (start-up check)."""
+        code = self.cfg.get("probe_code")
+        if not code:
+            return {}
+        workdir = f"{self.base}/probe"
+        os.mkdir(workdir, 0o700)
+        stdin_path = os.path.join(workdir, ".stdin")
+        open(stdin_path, "w").close()
+        job = {
+            "code": code,
+            "replay": [],
+            "workdir": workdir,
+            "stdin_path": stdin_path,
+            "timeout": 10.0,
+            "total_timeout": 10.0,
+            "memory_mb": 256,
+        }
+        resp = self._execute(job, 65536, 2**20)
+        _empty_dir(self.base, time.monotonic() + self.cleanup_s)
+        try:
+            return json.loads(resp["stdout"])
+        except ValueError:
+            return {"error": (resp["stderr"] or resp["status"])[-500:]}
+
+    def _spawn(self, job: dict) -> tuple[int, int, int]:
+        """Has the zygote fork a snippet process for `job`: (pid, stdout fd, stderr fd)."""
+        job_fd = os.memfd_create("job", os.MFD_CLOEXEC)
+        view = memoryview(json.dumps(job).encode())
+        while view:
+            view = view[os.write(job_fd, view) :]
+        os.lseek(job_fd, 0, os.SEEK_SET)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        t0 = time.monotonic()
-        pid = os.fork()
-        if pid == 0:  # child: never returns
+        try:
+            socket.send_fds(self.ctrl, [b"j"], [job_fd, out_w, err_w], socket.MSG_NOSIGNAL)
+        except OSError as e:
+            os.close(out_r)
+            os.close(err_r)
+            raise ZygoteLost(e) from None
+        finally:
+            for fd in (job_fd, out_w, err_w):
+                os.close(fd)
+        (pid,) = struct.unpack("<i", self._from_zygote(4))
+        return pid, out_r, err_r
+
+    def _from_zygote(self, n: int) -> bytes:
+        msg = self.ctrl.recv(n)
+        if len(msg) != n:
+            raise ZygoteLost("zygote exited")
+        return msg
+
+    def _await_exit(self, pid: int, timeout: float):
+        """The snippet's wait status, killing it after `timeout`; None if it never exits."""
+        for grace in (timeout, 2.0):
+            if select.select([self.ctrl], [], [], grace)[0]:
+                return struct.unpack("<ii", self._from_zygote(8))[1]
+            _kill_pg(pid)
             try:
-                os.close(out_r)
-                os.close(err_r)
-                self._child(req, workdir, stdin_path, out_w, err_w, total_timeout, replay)
-            except BaseException as e:  # noqa: BLE001 -- setup failed: never run the code
-                try:
-                    os.write(2, f"SandboxError: snippet setup failed: {e!r}\n".encode())
-                except OSError:
-                    pass
-            finally:
-                os._exit(120)
-        os.close(out_w)
-        os.close(err_w)
-        cap = int(req.get("max_output_bytes", 65536))
-        kill_bytes = int(req.get("kill_output_bytes", 8 * 2**20))
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return None
+
+    def _execute(self, job: dict, cap: int, kill_bytes: int) -> dict:
+        t0 = time.monotonic()
+        pid, out_r, err_r = self._spawn(job)
         caps = {out_r: _Capture(cap), err_r: _Capture(cap)}
         open_fds = [out_r, err_r]
-        pidfd = os.pidfd_open(pid)
-        deadline = t0 + total_timeout
-        timed_out = over_output = exited = False
+        deadline = t0 + job["total_timeout"]
+        timed_out = over_output = False
+        status_code = None
+        exited = False
         while open_fds:
             left = deadline - time.monotonic()
             if left <= 0:
                 timed_out = True
                 break
             ready, _, _ = select.select(
-                open_fds + ([] if exited else [pidfd]), [], [], 0.0 if exited else left
+                open_fds + ([] if exited else [self.ctrl]), [], [], 0.0 if exited else left
             )
             if exited and not ready:
                 break  # child gone and its pipes drained (a leftover may still hold them)
             for fd in ready:
-                if fd == pidfd:
+                if fd is self.ctrl:
+                    status_code = struct.unpack("<ii", self._from_zygote(8))[1]
                     exited = True
                     continue
                 b = os.read(fd, 1 << 16)
@@ -390,25 +511,18 @@ class Worker:
                 break
         if timed_out or over_output:
             _kill_pg(pid)
-        status_code = _wait(pid, max(deadline - time.monotonic(), 0.0) + 0.5)
+        if not exited:
+            status_code = self._await_exit(pid, max(deadline - time.monotonic(), 0.0) + 0.5)
         elapsed = time.monotonic() - t0
-        # Nothing may outlive the call: kill every process of this pid namespace but us.
-        _kill_all_others(bool(self.cfg.get("own_pid_namespace")))
+        # Nothing may outlive the call: kill every process of the sandbox but us and the zygote.
+        _kill_all_others(bool(self.cfg.get("own_pid_namespace")), spare=self.zygote)
         os.close(out_r)
         os.close(err_r)
-        os.close(pidfd)
-        self.to_delete.append(workdir)
         stdout, stderr = caps[out_r].text(), caps[err_r].text()
         if status_code is None:  # unkillable?! report and let the host replace us
-            return {
-                "status": "SandboxError",
-                "stdout": stdout,
-                "stderr": "child did not exit",
-                "return_code": None,
-                "execution_time": elapsed,
-            }
+            raise ZygoteLost("snippet did not exit")
         rc = os.waitstatus_to_exitcode(status_code)
-        if timed_out or rc == -signal.SIGXCPU:
+        if timed_out or rc in (-signal.SIGXCPU, -signal.SIGALRM):
             status = "TimeLimitExceeded"
         elif over_output:
             status = "Error"
@@ -426,9 +540,41 @@ class Worker:
             "output_bytes": caps[out_r].total + caps[err_r].total,
         }
 
-    def _child(self, req, workdir, stdin_path, out_w, err_w, timeout, replay) -> None:
+    # ---------------------------------------------------------------------------- zygote
+    def _zygote_loop(self, sock: socket.socket) -> None:
+        """Forks one snippet process per job; runs until the worker closes the socket."""
+        while True:
+            _, fds, _, _ = socket.recv_fds(sock, 16, 3)
+            if len(fds) != 3:
+                return
+            pid = os.fork()
+            if pid == 0:  # the snippet process: never returns
+                try:
+                    sock.close()
+                    self._child(*fds)
+                except BaseException as e:  # noqa: BLE001 -- setup failed: never run the code
+                    try:
+                        os.write(2, f"SandboxError: snippet setup failed: {e!r}\n".encode())
+                    except OSError:
+                        pass
+                finally:
+                    os._exit(120)
+            for fd in fds:
+                os.close(fd)
+            sock.send(struct.pack("<i", pid))
+            _, status = os.waitpid(pid, 0)
+            sock.send(struct.pack("<ii", pid, status))
+
+    def _child(self, job_fd: int, out_w: int, err_w: int) -> None:
+        with os.fdopen(job_fd, "rb") as fh:
+            job = json.loads(fh.read())
         os.setpgid(0, 0)
-        fd_in = os.open(stdin_path, os.O_RDONLY)
+        # The kernel's OOM killer takes snippet processes (and their children) first.
+        with open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write("1000")
+        workdir, timeout = job["workdir"], job["timeout"]
+        total = job["total_timeout"]
+        fd_in = os.open(job["stdin_path"], os.O_RDONLY)
         os.dup2(fd_in, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
@@ -445,13 +591,13 @@ class Worker:
         os.environ["HOME"] = workdir
         os.environ["TMPDIR"] = workdir
         tempfile.tempdir = workdir
-        mem = int(req.get("memory_mb", 1024)) * 2**20
+        mem = int(job.get("memory_mb", 1024)) * 2**20
         limits = [
-            (resource.RLIMIT_CPU, (int(timeout) + 1, int(timeout) + 2)),
+            (resource.RLIMIT_CPU, (int(total) + 1, int(total) + 2)),
             (resource.RLIMIT_AS, _vm_size() + mem),
-            (resource.RLIMIT_NPROC, int(req.get("nproc", 64))),
-            (resource.RLIMIT_FSIZE, int(req.get("fsize_mb", 16)) * 2**20),
-            (resource.RLIMIT_NOFILE, int(req.get("nofile", 128))),
+            (resource.RLIMIT_NPROC, int(job.get("nproc", 64))),
+            (resource.RLIMIT_FSIZE, int(job.get("fsize_mb", 16)) * 2**20),
+            (resource.RLIMIT_NOFILE, int(job.get("nofile", 128))),
             (resource.RLIMIT_CORE, 0),
         ]
         for res, val in limits:
@@ -465,13 +611,13 @@ class Worker:
         # Fresh interpreter-level state for the snippet (sys.argv, streams on the new fds).
         sys.stdin = open(0, closefd=False)
         # Line-buffered by default: what was printed before a timeout kill is still returned.
-        line = 1 if req.get("line_buffered", True) else -1
+        line = 1 if job.get("line_buffered", True) else -1
         sys.stdout = open(1, "w", closefd=False, buffering=line)
         sys.stderr = open(2, "w", closefd=False)
         sys.argv = ["<snippet>"]
         sys.path.insert(0, workdir)
         ns = None
-        for i, cell in enumerate(replay):  # session mode: rebuild state, output suppressed
+        for i, cell in enumerate(job["replay"]):  # session mode: rebuild state, output suppressed
             ns = _run_code(cell, f"<cell {i + 1}>", quiet=True, ns=ns)
             if not isinstance(ns, dict):
                 sys.stderr.write(
@@ -479,7 +625,9 @@ class Worker:
                 )
                 sys.stderr.flush()
                 os._exit(121)
-        ok = _run_code(req["code"], "<snippet>", quiet=False, ns=ns)
+        if job["replay"]:  # the new cell still gets only its own time limit
+            signal.setitimer(signal.ITIMER_REAL, timeout)
+        ok = _run_code(job["code"], "<snippet>", quiet=False, ns=ns)
         code = 0 if ok is not None else 1
         if isinstance(ok, int):
             code = ok
@@ -489,6 +637,24 @@ class Worker:
         except Exception:  # noqa: BLE001
             pass
         os._exit(code)
+
+
+_LIMITS = ("memory_mb", "nproc", "nofile", "fsize_mb", "line_buffered")
+
+
+def _error(message: str) -> dict:
+    return {
+        "status": "SandboxError",
+        "stdout": "",
+        "stderr": message,
+        "return_code": None,
+        "execution_time": 0.0,
+    }
+
+
+def _proc_status() -> dict:
+    with open("/proc/self/status") as fh:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in fh if ":\t" in line)
 
 
 def _run_code(code: str, filename: str, quiet: bool, ns):
@@ -529,21 +695,48 @@ def _run_code(code: str, filename: str, quiet: bool, ns):
     return result
 
 
-def _rmtree(path: str) -> None:
-    """rmtree that also removes what a snippet made unwritable (chmod 000 dirs)."""
+def _empty_dir(top: str, deadline: float) -> bool:
+    """Deletes everything in `top` before `deadline`; False if it could not (never raises).
 
-    def fix(func, p, _exc):
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            if os.path.isdir(p) and not os.path.islink(p):
-                os.chmod(p, 0o700)
-            func(p)
-        except OSError:
-            pass
-
-    shutil.rmtree(path, onerror=fix)
-    if os.path.exists(path):
-        shutil.rmtree(path, onerror=fix)
+    Iterative and relative to open directories, so neither depth (past PATH_MAX or the recursion
+    limit) nor permissions a snippet set (chmod 0) can stop it: each subdirectory met is opened
+    up (chmod 700, we own it) and moved into `top` itself, to be emptied there in turn.
+    """
+    moved = 0
+    try:
+        tfd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        while names := os.listdir(tfd):
+            for name in names:
+                if time.monotonic() > deadline:
+                    return False
+                if not stat.S_ISDIR(os.stat(name, dir_fd=tfd, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=tfd)
+                    continue
+                os.chmod(name, 0o700, dir_fd=tfd)
+                dfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=tfd)
+                try:
+                    with os.scandir(dfd) as it:
+                        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+                    for child, is_dir in entries:
+                        if time.monotonic() > deadline:
+                            return False
+                        if is_dir:
+                            os.chmod(child, 0o700, dir_fd=dfd)
+                            moved += 1
+                            os.rename(child, f".up{moved}", src_dir_fd=dfd, dst_dir_fd=tfd)
+                        else:
+                            os.unlink(child, dir_fd=dfd)
+                finally:
+                    os.close(dfd)
+                os.rmdir(name, dir_fd=tfd)
+        return True
+    except Exception:  # noqa: BLE001 -- anything unexpected: the host replaces this worker
+        return False
+    finally:
+        os.close(tfd)
 
 
 def _vm_size() -> int:
@@ -558,64 +751,37 @@ def _kill_pg(pid: int) -> None:
         pass
 
 
-def _wait(pid: int, timeout: float):
-    """waitpid with a timeout; SIGKILLs the child's group after it; None if it never exits."""
-    for grace in (timeout, 2.0):
-        end = time.monotonic() + grace
-        while True:
+def _kill_all_others(own_pid_namespace: bool, spare: int) -> None:
+    """Kills every process a snippet started, directly or not, and reaps them (not `spare`)."""
+    me = os.getpid()
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        if own_pid_namespace:  # the sandbox's own /proc: every process but init is ours
+            others = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+            others = [p for p in others if p not in (1, me, spare)]
+        else:  # no pid namespace: orphans of snippets come to us (we are a subreaper)
+            others = [p for p in _children(me) if p != spare]
+        if not others:
+            return
+        for pid in others:
+            _kill_pg(pid)
             try:
-                done, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                return 0
-            if done:
-                return status
-            if time.monotonic() > end:
-                break
-            time.sleep(0.0005)
-        _kill_pg(pid)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    return None
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        _reap()
+        time.sleep(0.0005)
 
 
-def _kill_all_others(own_pid_namespace: bool) -> None:
-    """Kills every process this worker started, directly or not, and reaps them."""
-    if own_pid_namespace and os.getpid() <= 3:  # we are bwrap's child in a fresh pid namespace
-        try:
-            os.kill(-1, signal.SIGKILL)  # all of the namespace except us and its init
-        except OSError:
-            pass
-        _reap(2.0)  # killed orphans come to us (subreaper): collect them, leave no zombies
-        return
-    else:  # no pid namespace: never kill(-1); we are a subreaper, so orphans are our children
-        for _ in range(100):
-            kids = _children(os.getpid())
-            if not kids:
-                break
-            for pid in kids:
-                _kill_pg(pid)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            _reap()
-    _reap()
-
-
-def _reap(wait_s: float = 0.0) -> None:
-    """Reaps dead children; with wait_s > 0, waits (up to it) until no child is left at all."""
-    end = time.monotonic() + wait_s
+def _reap() -> None:
+    """Reaps the dead among our children (without blocking)."""
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
-            if time.monotonic() >= end:
-                return
-            time.sleep(0.0005)
+            return
 
 
 def _children(ppid: int) -> list[int]:

@@ -197,6 +197,7 @@ class SandboxPool:
         stdin: str = "",
         replay: list[str] | None = None,
         files: dict[str, bytes] | None = None,
+        max_call_s: float | None = None,
     ) -> ExecResult:
         """Runs `code` in a fresh sandboxed child; never raises for snippet or worker failures.
 
@@ -206,13 +207,15 @@ class SandboxPool:
           memory_mb: address space the snippet may add (default config.memory_mb).
           stdin: text given on the snippet's stdin.
           replay: earlier snippets run first in the same child with their output suppressed
-            (session mode); each gets its own `timeout_s` of budget.
+            (session mode). `timeout_s` still limits the new snippet on its own.
           files: relative path -> bytes written into the snippet's work dir first.
+          max_call_s: with `replay`, the time limit of the whole call, replay included
+            (default 2 x timeout_s), so a long session cannot hold a worker for minutes.
 
         Returns:
           ExecResult.
         """
-        req = self._request(code, timeout_s, memory_mb, stdin, replay, files)
+        req = self._request(code, timeout_s, memory_mb, stdin, replay, files, max_call_s)
         t0 = time.monotonic()
         if self._executor is None or self._closed:
             return ExecResult("SandboxError", stderr="SandboxError: pool is not running")
@@ -225,8 +228,10 @@ class SandboxPool:
                 )
             self._pending += 1
         loop = asyncio.get_running_loop()
+        answer = loop.create_future()
         try:
-            res = await loop.run_in_executor(self._executor, self._run_blocking, req)
+            self._executor.submit(self._serve, req, loop, answer)
+            res = await answer
         finally:
             with self._lock:
                 self._pending -= 1
@@ -238,11 +243,13 @@ class SandboxPool:
         """Blocking version of `run` (same arguments)."""
         return asyncio.run(self.run(code, **kwargs))
 
-    def _request(self, code, timeout_s, memory_mb, stdin, replay, files) -> dict:
+    def _request(self, code, timeout_s, memory_mb, stdin, replay, files, max_call_s) -> dict:
         c = self.config
+        timeout = float(timeout_s or c.timeout_s)
         return {
             "code": code,
-            "timeout": float(timeout_s or c.timeout_s),
+            "timeout": timeout,
+            "total_timeout": float(max_call_s or 2 * timeout) if replay else timeout,
             "memory_mb": int(memory_mb or c.memory_mb),
             "stdin": stdin or "",
             "replay": list(replay or []),
@@ -254,20 +261,38 @@ class SandboxPool:
             "files": {k: v.hex() for k, v in (files or {}).items()},
         }
 
-    def _run_blocking(self, req: dict) -> ExecResult:
+    def _serve(self, req: dict, loop, answer: asyncio.Future) -> None:
+        """On a pool thread: runs `req` on an idle worker and hands the result to the caller,
+        then waits, off the caller's clock, until the worker has cleaned up after it."""
         worker = self._idle.get()
-        host_timeout = req["timeout"] * (1 + len(req["replay"])) + _HOST_SLACK_S
         try:
-            resp = worker.request(req, host_timeout)
-        except WorkerDiedError as e:
+            res = self._run_on(worker, req)
+        except BaseException as e:  # noqa: BLE001 -- the caller gets it
+            res = ExecResult("SandboxError", stderr=f"SandboxError: {e!r}")
+            worker.kill()
+        try:
+            loop.call_soon_threadsafe(_resolve, answer, res)
+        except RuntimeError:  # the caller's event loop is gone
+            pass
+        if res.status == "SandboxError" and not worker.alive():
             self._counts["worker_restarts"] += 1
+            self._replace_later(worker)
+        elif worker.wait_ready():
+            self._idle.put(worker)
+        else:  # it could not clean up in time (or died doing so): a fresh sandbox replaces it
+            self._counts["worker_recycled"] += 1
+            worker.kill()
+            self._replace_later(worker)
+
+    def _run_on(self, worker: SandboxWorker, req: dict) -> ExecResult:
+        try:
+            resp = worker.request(req, req["total_timeout"] + _HOST_SLACK_S)
+        except WorkerDiedError as e:
             logger.warning("sandbox worker %s lost (%s); replacing it", worker.pid, e)
             worker.kill()
-            threading.Thread(target=self._replace, args=(worker,), daemon=True).start()
             return ExecResult(
                 "SandboxError", stderr=f"SandboxError: worker lost ({e}); it was replaced"
             )
-        self._idle.put(worker)
         return ExecResult(
             status=resp.get("status", "SandboxError"),
             stdout=resp.get("stdout", ""),
@@ -275,6 +300,9 @@ class SandboxPool:
             return_code=resp.get("return_code"),
             execution_time=float(resp.get("execution_time", 0.0)),
         )
+
+    def _replace_later(self, dead: SandboxWorker) -> None:
+        threading.Thread(target=self._replace, args=(dead,), daemon=True).start()
 
     def _replace(self, dead: SandboxWorker) -> None:
         while not self._closed:
@@ -317,6 +345,11 @@ class SandboxPool:
                 span = max(self._t_last - (self._t_first or self._t_last), 1e-9)
                 out["throughput_per_s"] = self._counts["calls"] / span
         return out
+
+
+def _resolve(future: asyncio.Future, res: ExecResult) -> None:
+    if not future.done():  # the caller may have been cancelled meanwhile
+        future.set_result(res)
 
 
 # ------------------------------------------------------------------------ Sandbox Fusion shape

@@ -40,6 +40,8 @@ class PythonTool(Tool):
       max_output_chars: observation text is cut to head + "..." + tail of this size.
       full_traceback: return the whole traceback instead of its last line.
       max_session_cells: a session refuses more cells than this (replay cost bound).
+      max_call_s: time limit of one session call, the replay of its earlier cells included
+        (default 2 x timeout_s); a call past it fails with a timeout, and its cell is not kept.
       tool_schema: optional override of the declaration (name/description/parameters).
     """
 
@@ -66,6 +68,7 @@ class PythonTool(Tool):
         max_output_chars: int = 2000,
         full_traceback: bool = False,
         max_session_cells: int = 32,
+        max_call_s: float | None = None,
         tool_schema: dict | None = None,
     ):
         super().__init__(tool_schema=tool_schema)
@@ -80,6 +83,7 @@ class PythonTool(Tool):
         self.max_output_chars = max_output_chars
         self.full_traceback = full_traceback
         self.max_session_cells = max_session_cells
+        self.max_call_s = max_call_s
         self._history: dict[str, list[str]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -121,7 +125,11 @@ class PythonTool(Tool):
 
     async def _run(self, code, replay):
         return await self.pool.run(
-            code, timeout_s=self.timeout_s, memory_mb=self.memory_mb, replay=replay
+            code,
+            timeout_s=self.timeout_s,
+            memory_mb=self.memory_mb,
+            replay=replay,
+            max_call_s=self.max_call_s,
         )
 
     def _observe(self, res) -> Observation:

@@ -12,18 +12,24 @@ Stack (default `isolation="bwrap"`, fail-closed), outermost first:
    holds only read-only binds of /usr (+ the /bin, /lib, ... links), /etc/ld.so.cache, the
    interpreter prefix and the venv, a private tmpfs /tmp, its own /proc and a minimal /dev; the
    environment is cleared; it dies with its parent.
-4. (root only, where the kernel has them) each worker gets its own memory + pids cgroup (v1
-   `memory`/`pids` hierarchies, or v2 with those controllers), so N forked snippets times their
-   address-space rlimit cannot exhaust host memory and forks are bounded across the sandbox.
-   Missing cgroup controllers only log a warning: rlimits and nproc still bound each snippet.
-5. Inside, `_sandbox_worker.py` forks one child per snippet, which adds rlimits (CPU, address
-   space, nproc, fsize, nofile, core), a Landlock domain (writes only in its fresh work dir, no TCP,
-   signals and abstract sockets scoped to itself) and a seccomp filter (no inet sockets, ptrace,
-   mount, namespaces, bpf, ...). The worker SIGKILLs every other process of its pid namespace after
-   each snippet.
+4. (root only, where the kernel has them) each worker gets its own memory, pids and cpu cgroup
+   (v1 hierarchies, or v2 with those controllers), so N forked snippets times their address-space
+   rlimit cannot exhaust host memory, forks are bounded and the worker uses at most
+   `worker_cpus` cores. Missing controllers only log a warning: rlimits still bound each snippet.
+   The cgroups are removed when the worker is.
+5. Inside, `_sandbox_worker.py` has a zygote, forked before any request is read, fork one process
+   per snippet (so no earlier call's data is in the snippet's memory), which adds rlimits (CPU,
+   address space, nproc, fsize, nofile, core), OOM-killer priority, a Landlock domain (writes
+   only in its fresh work dir, no TCP, signals and abstract sockets scoped to itself) and a
+   seccomp filter (no sockets but socketpair, no SysV/POSIX IPC objects or memfds, no ptrace,
+   mount, namespaces, bpf, ...). After each snippet the worker SIGKILLs every other process of
+   its pid namespace, answers, then empties the work dir (bounded in time, off the caller's
+   clock) before it takes the next call; a worker that cannot is replaced.
 
-If a piece is missing the pool refuses to start (`SandboxUnavailableError` names it and the
-install command). `isolation="unsafe_process"` runs the worker as a plain child process (the
+At start each worker reports every layer (uid, namespaces, capabilities, no_new_privs, cleared
+environment, Landlock, seccomp, cgroups) and runs a probe snippet that tries what a snippet must
+not do; if anything is missing the pool refuses to start (`SandboxUnavailableError` names it and
+the install command). `isolation="unsafe_process"` runs the worker as a plain child process (the
 per-snippet rlimits, Landlock and seccomp still apply where the kernel has them) and logs a loud
 warning each time a worker starts; use it only where namespaces cannot be had.
 """
@@ -49,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 WORKER_SCRIPT = Path(__file__).with_name("_sandbox_worker.py")
 _STAGE_ROOT = Path("/run/jaxrl_tools_sandbox")
+_WORKER_BASE_MB = 256
+_READY_SLACK_S = 2.0  # a worker with numpy and sympy imported, and its zygote
 _ISOLATIONS = ("bwrap", "unsafe_process")
 INSTALL_HINT = (
     "install bubblewrap (`apt-get install -y bubblewrap`), util-linux (setpriv, "
@@ -84,6 +92,10 @@ class SandboxConfig:
       worker_memory_mb: memory cgroup limit of one worker with all its snippets (root only;
         0 disables).
       worker_pids: pids cgroup limit of one worker's sandbox (root only; 0 disables).
+      worker_cpus: CPU quota of one worker with all its snippets, in cores (root only; 0
+        disables).
+      cleanup_timeout_s: time a worker has, after answering and off the caller's clock, to
+        empty the call's work dir; past it (e.g. millions of files) the worker is replaced.
     """
 
     isolation: str = "bwrap"
@@ -102,6 +114,8 @@ class SandboxConfig:
     startup_timeout_s: float = 30.0
     worker_memory_mb: int = 4096
     worker_pids: int = 256
+    worker_cpus: float = 1.0
+    cleanup_timeout_s: float = 2.0
 
     def __post_init__(self):
         if self.isolation not in _ISOLATIONS:
@@ -115,9 +129,18 @@ class SandboxConfig:
             "max_output_bytes",
             "kill_output_bytes",
             "tmpfs_mb",
+            "cleanup_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)}")
+        # One call may hold memory_mb per process and tmpfs_mb of files; the worker's cgroup
+        # must fit one ordinary call beside the preloaded worker, or normal calls get OOM-killed.
+        need = self.memory_mb + self.tmpfs_mb + _WORKER_BASE_MB
+        if 0 < self.worker_memory_mb < need:
+            raise ValueError(
+                f"SandboxConfig.worker_memory_mb={self.worker_memory_mb} is below memory_mb + "
+                f"tmpfs_mb + {_WORKER_BASE_MB} (the worker itself) = {need}; raise it or set 0"
+            )
 
 
 def check_isolation(config: SandboxConfig) -> list[str]:
@@ -165,21 +188,32 @@ def _python_paths() -> list[Path]:
 
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
+_CPU_PERIOD_US = 100_000
+
+
+def cgroup_dirs(name: str) -> list[Path]:
+    """Where a worker's cgroups named `name` live (v2, and each v1 hierarchy)."""
+    return [_CGROUP_ROOT / "jaxrl_tools" / name] + [
+        _CGROUP_ROOT / ctrl / "jaxrl_tools" / name for ctrl in ("memory", "pids", "cpu")
+    ]
 
 
 def make_cgroups(name: str, config: SandboxConfig) -> list[Path]:
-    """Creates this worker's memory/pids cgroups (v1 hierarchies or v2); [] if unavailable."""
+    """Creates this worker's memory/pids/cpu cgroups (v1 hierarchies or v2); [] if unavailable."""
     wanted = {}
     if config.worker_memory_mb > 0:
         wanted["memory"] = config.worker_memory_mb * 2**20
     if config.worker_pids > 0:
         wanted["pids"] = config.worker_pids
+    if config.worker_cpus > 0:
+        wanted["cpu"] = max(int(config.worker_cpus * _CPU_PERIOD_US), 1000)
     made: list[Path] = []
     v2 = _CGROUP_ROOT / "cgroup.controllers"
     try:
         if v2.exists():  # unified hierarchy
             ctrls = set(v2.read_text().split())
-            if not set(wanted) <= ctrls:
+            wanted = {k: v for k, v in wanted.items() if k in ctrls}
+            if not wanted:
                 return []
             parent = _CGROUP_ROOT / "jaxrl_tools"
             parent.mkdir(exist_ok=True)
@@ -192,6 +226,8 @@ def make_cgroups(name: str, config: SandboxConfig) -> list[Path]:
                 (d / "memory.swap.max").write_text("0")
             if "pids" in wanted:
                 (d / "pids.max").write_text(str(wanted["pids"]))
+            if "cpu" in wanted:
+                (d / "cpu.max").write_text(f"{wanted['cpu']} {_CPU_PERIOD_US}")
             return made
         for ctrl, value in wanted.items():
             base = _CGROUP_ROOT / ctrl
@@ -202,8 +238,11 @@ def make_cgroups(name: str, config: SandboxConfig) -> list[Path]:
             made.append(d)
             if ctrl == "memory":
                 (d / "memory.limit_in_bytes").write_text(str(value))
-            else:
+            elif ctrl == "pids":
                 (d / "pids.max").write_text(str(value))
+            else:
+                (d / "cpu.cfs_period_us").write_text(str(_CPU_PERIOD_US))
+                (d / "cpu.cfs_quota_us").write_text(str(value))
     except OSError as e:
         logger.warning("sandbox cgroups unavailable (%s); rlimits still apply", e)
         remove_cgroups(made)
@@ -211,16 +250,25 @@ def make_cgroups(name: str, config: SandboxConfig) -> list[Path]:
     return made
 
 
-def remove_cgroups(dirs: list[Path]) -> None:
-    """Removes (empty) cgroups; retries briefly while their processes finish exiting."""
+def remove_cgroups(dirs: list[Path], timeout_s: float = 5.0) -> None:
+    """Removes cgroups, killing what is left in them; retries while their processes exit."""
+    end = time.monotonic() + timeout_s
     for d in dirs:
-        for _ in range(50):
+        while True:
             try:
                 d.rmdir()
                 break
             except FileNotFoundError:
                 break
-            except OSError:
+            except OSError as e:
+                if time.monotonic() > end:
+                    logger.error("cannot remove sandbox cgroup %s: %s", d, e)
+                    break
+                try:
+                    for pid in (d / "cgroup.procs").read_text().split():
+                        os.kill(int(pid), signal.SIGKILL)
+                except OSError:
+                    pass
                 time.sleep(0.01)
 
 
@@ -287,17 +335,7 @@ def build_command(
     for src, dst in binds:
         bw += ["--ro-bind", src, dst]
     bw += ["--chdir", "/tmp"]
-    env = {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
-        "HOME": "/tmp",
-        "LANG": "C.UTF-8",
-        "OPENBLAS_NUM_THREADS": "1",
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "NUMEXPR_NUM_THREADS": "1",
-        "PYTHONDONTWRITEBYTECODE": "1",
-    }
-    for k, v in env.items():
+    for k, v in SANDBOX_ENV.items():
         bw += ["--setenv", k, v]
     bw += ["--", python, "-I", "-c", _BOOT.format(fd=script_fd), args]
     if not root:
@@ -330,6 +368,112 @@ _BOOT = (
     "sys.argv=['_sandbox_worker']+sys.argv[1:];g={{'__name__':'__main__'}};"
     "exec(compile(s,'_sandbox_worker.py','exec'),g)"
 )
+
+
+# Start-up check of the per-snippet layers: each worker runs this as its first snippet, under the
+# full set-up (rlimits, Landlock, seccomp, from the zygote), and the pool refuses to start unless
+# every check reads "ok". Each line tries something a snippet must not be able to do.
+PROBE_CHECKS = (
+    "inet_socket",
+    "unix_socket",
+    "sysv_shm",
+    "posix_mqueue",
+    "memfd",
+    "write_outside_workdir",
+    "read_zygote_memory",
+    "ptrace",
+    "new_namespace",
+    "address_space_limit",
+    "process_limit",
+    "oom_killer_takes_snippet",
+)
+PROBE_CODE = r"""
+import ctypes, json, os, resource, socket
+libc = ctypes.CDLL(None, use_errno=True)
+
+def refused(attempt):
+    try:
+        got = attempt()
+    except OSError:
+        return "ok"
+    return "ok" if got == -1 else f"allowed: {got!r}"
+
+def limited(res):
+    soft, _ = resource.getrlimit(res)
+    return "ok" if soft != resource.RLIM_INFINITY else "unlimited"
+
+checks = {
+    "inet_socket": refused(lambda: socket.socket(socket.AF_INET)),
+    "unix_socket": refused(lambda: socket.socket(socket.AF_UNIX)),
+    "sysv_shm": refused(lambda: libc.shmget(0, 4096, 0o1600)),
+    "posix_mqueue": refused(lambda: libc.mq_open(b"/probe", os.O_CREAT | os.O_RDWR, 0o600, None)),
+    "memfd": refused(lambda: os.memfd_create("probe")),
+    "write_outside_workdir": refused(lambda: open("/tmp/probe", "w")),
+    "read_zygote_memory": refused(lambda: open(f"/proc/{os.getppid()}/mem", "rb")),
+    "ptrace": refused(lambda: libc.ptrace(0, 0, 0, 0)),
+    "new_namespace": refused(lambda: libc.unshare(0x10000000)),
+    "address_space_limit": limited(resource.RLIMIT_AS),
+    "process_limit": limited(resource.RLIMIT_NPROC),
+    "oom_killer_takes_snippet": (
+        "ok" if open("/proc/self/oom_score_adj").read().strip() == "1000" else "not first"
+    ),
+}
+print(json.dumps(checks))
+"""
+# What the sandbox's environment may hold (build_command sets exactly these).
+SANDBOX_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/tmp",
+    "LANG": "C.UTF-8",
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "NUMEXPR_NUM_THREADS": "1",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+_NAMESPACES = ("user", "pid", "net", "ipc", "uts", "mnt", "cgroup")
+
+
+def isolation_problems(config: SandboxConfig, hello: dict, cgroups: list[Path], pid: int):
+    """What a started worker's report shows to be missing, layer by layer ([]: all there)."""
+    if config.isolation != "bwrap":
+        return []
+    problems = []
+    if hello.get("uid") == 0 or hello.get("euid") == 0:
+        problems.append("worker runs as uid 0")
+    for ns in _NAMESPACES:
+        if hello.get("namespaces", {}).get(ns) == os.readlink(f"/proc/self/ns/{ns}"):
+            problems.append(f"worker shares the host's {ns} namespace")
+    if [n for n in hello.get("net_ifaces", []) if n != "lo"]:
+        problems.append(f"worker sees network interfaces {hello['net_ifaces']}")
+    if any(hello.get("capabilities", {"?": 1}).values()):
+        problems.append(f"worker has capabilities {hello.get('capabilities')}")
+    if not hello.get("no_new_privs"):
+        problems.append("no_new_privs is not set")
+    extra = set(hello.get("env", ["?"])) - set(SANDBOX_ENV) - {"PWD"}  # bwrap's --chdir sets PWD
+    if extra:
+        problems.append(f"environment not cleared: {sorted(extra)}")
+    if not hello.get("seccomp"):
+        problems.append(
+            "pyseccomp/libseccomp not importable inside the sandbox "
+            "(pip install pyseccomp; apt-get install libseccomp2)"
+        )
+    if hello.get("landlock_abi", 0) < 1:
+        problems.append("Landlock unavailable (kernel >= 5.13 with lsm=landlock)")
+    probe = hello.get("probe", {})
+    failed = {k: probe.get(k, "not checked") for k in PROBE_CHECKS if probe.get(k) != "ok"}
+    if failed:
+        problems.append(
+            f"snippet probe: {failed}" + (f" {probe['error']}" if "error" in probe else "")
+        )
+    try:
+        joined = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        joined = ""
+    for d in cgroups:
+        if f":/jaxrl_tools/{d.name}\n" not in joined:
+            problems.append(f"worker is not in its cgroup {d}")
+    return problems
 
 
 class SandboxWorker:
@@ -366,6 +510,8 @@ class SandboxWorker:
             + list(cfg.extra_ro_binds),
             "preload": list(cfg.preload),
             "own_pid_namespace": cfg.isolation == "bwrap",
+            "cleanup_timeout_s": cfg.cleanup_timeout_s,
+            "probe_code": PROBE_CODE,
         }
         r, w = os.pipe()
         src = WORKER_SCRIPT.read_bytes()
@@ -419,19 +565,7 @@ class SandboxWorker:
                 f"{INSTALL_HINT}"
             ) from None
         self.hello = hello
-        problems = []
-        if cfg.isolation == "bwrap":
-            if hello.get("uid") == 0 or hello.get("euid") == 0:
-                problems.append("worker runs as uid 0")
-            if [n for n in hello.get("net_ifaces", []) if n != "lo"]:
-                problems.append(f"worker sees network interfaces {hello['net_ifaces']}")
-            if not hello.get("seccomp"):
-                problems.append(
-                    "pyseccomp/libseccomp not importable inside the sandbox "
-                    "(pip install pyseccomp; apt-get install libseccomp2)"
-                )
-            if hello.get("landlock_abi", 0) < 1:
-                problems.append("Landlock unavailable (kernel >= 5.13 with lsm=landlock)")
+        problems = isolation_problems(cfg, hello, self.cgroups, self.proc.pid)
         if problems:
             self.kill()
             raise SandboxUnavailableError("sandbox checks failed: " + "; ".join(problems))
@@ -460,6 +594,13 @@ class SandboxWorker:
             raise WorkerDiedError(f"worker pipe closed ({e})") from None
         self.calls += 1
         return self._read(timeout_s)
+
+    def wait_ready(self) -> bool:
+        """Waits for the worker to finish cleaning up after a call; False: replace it."""
+        try:
+            return bool(self._read(self.config.cleanup_timeout_s + _READY_SLACK_S).get("ready"))
+        except WorkerDiedError:
+            return False
 
     def _read(self, timeout_s: float) -> dict:
         fd = self.proc.stdout.fileno()

@@ -122,17 +122,19 @@ def test_a_snippet_cannot_read_earlier_calls_from_memory(pool):
         stdin=secrets["stdin"] + "\n",
         files={"data.txt": secrets["file"].encode()},
     )
-    tool = PythonTool(mode="session", pool=pool)
+    tool = PythonTool(mode="session", pool=pool, timeout_s=20)
 
     async def session_calls():
         await tool.call({"code": f"x = {secrets['cell']!r}"}, "other-session")
         await tool.call({"code": "print(len(x))"}, "other-session")  # replays the cell
+        await tool.call({"code": "y = 1"}, "scanner")
+        return await tool.call({"code": MEMORY_SCAN}, "scanner")  # a session's call
 
-    asyncio.run(session_calls())
+    in_session = asyncio.run(session_calls())
     res = pool.run_sync(MEMORY_SCAN, timeout_s=20)
     assert res.ok, res
-    assert res.stdout.startswith("["), res
-    leaked = [s for s in secrets.values() if s in res.stdout]
+    assert res.stdout.startswith("[") and in_session.text.startswith("["), (res, in_session)
+    leaked = [s for s in secrets.values() if s in res.stdout + in_session.text]
     assert not leaked, f"{leaked} readable in a later call's memory"
     # The scan works: this call's own marker is found.
     own = f"LEAK-{uuid.uuid4().hex}"

@@ -381,6 +381,7 @@ PROBE_CHECKS = (
     "memfd",
     "write_outside_workdir",
     "read_zygote_memory",
+    "read_worker_memory",
     "ptrace",
     "new_namespace",
     "address_space_limit",
@@ -390,6 +391,8 @@ PROBE_CHECKS = (
 PROBE_CODE = r"""
 import ctypes, json, os, resource, socket
 libc = ctypes.CDLL(None, use_errno=True)
+with open(f"/proc/{os.getppid()}/stat") as fh:  # the zygote's parent: the worker
+    worker = int(fh.read().rsplit(")", 1)[1].split()[1])
 
 def refused(attempt):
     try:
@@ -410,6 +413,7 @@ checks = {
     "memfd": refused(lambda: os.memfd_create("probe")),
     "write_outside_workdir": refused(lambda: open("/tmp/probe", "w")),
     "read_zygote_memory": refused(lambda: open(f"/proc/{os.getppid()}/mem", "rb")),
+    "read_worker_memory": refused(lambda: open(f"/proc/{worker}/mem", "rb")),
     "ptrace": refused(lambda: libc.ptrace(0, 0, 0, 0)),
     "new_namespace": refused(lambda: libc.unshare(0x10000000)),
     "address_space_limit": limited(resource.RLIMIT_AS),

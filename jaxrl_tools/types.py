@@ -71,6 +71,8 @@ class Trajectory:
       num_tool_calls: calls actually executed.
       finish_reason: "eos" | "stop" | "length" | "budget" | "turns" | "done".
       env_rewards: rewards returned by the environment, one per env step.
+      env_states: per env step, the state its action was taken in (`info["anchor_state"]`,
+        GiGPO's anchor; None when the environment gives none).
       response_text: decoded response (when a tokenizer was given).
     """
 
@@ -85,6 +87,7 @@ class Trajectory:
     num_tool_calls: int = 0
     finish_reason: str = ""
     env_rewards: list[float] = dataclasses.field(default_factory=list)
+    env_states: list = dataclasses.field(default_factory=list)
     response_text: str = ""
 
     @property

@@ -10,6 +10,7 @@ import transformers
 
 from jaxrl_tools import models
 from jaxrl_tools.demo.tokenizer import build_tokenizer
+from jaxrl_tools.envs import FrozenLake, RagenTurns
 from jaxrl_tools.prompts import chat_continuation
 from jaxrl_tools.rollout import BUDGET_NOTICE, RolloutLimits, run_rollouts
 from jaxrl_tools.rollout.engine import EngineCore
@@ -335,7 +336,7 @@ def test_env_turns_ragen_style(tiny, tok):
             ("observation", "\n<|im_start|>user\nstate 1<|im_end|>\n<|im_start|>assistant\n"),
             ("model", turn),
         ]
-        assert envs[(t.prompt_index, 0)].actions == [turn, turn]
+        assert envs[(t.prompt_index, 0)].actions == ["<answer>Up</answer>"] * 2
     # max_turns=1: the first env turn is not run
     (t,) = run_rollouts(
         eng,
@@ -347,6 +348,33 @@ def test_env_turns_ragen_style(tiny, tok):
         limits=RolloutLimits(chunk_size=8, max_turns=1),
     )
     assert t.finish_reason == "turns"
+
+
+def test_ragen_turns_on_frozenlake_record_rewards_and_anchor_states(tiny, tok):
+    turn = "<think>go</think><answer>Down || Right</answer><|im_end|>"
+    eng, params = _engine(tiny, tok, [turn] * 4)
+    envs = {}
+
+    def factory(pi, g):
+        env = RagenTurns(FrozenLake(size=4), max_actions_per_turn=2, max_turns=2)
+        env.reset(3)
+        envs[(pi, g)] = env
+        return env
+
+    (t,) = run_rollouts(
+        eng,
+        params,
+        [[1, 2]],
+        tokenizer=tok,
+        env_factory=factory,
+        sampling=GREEDY,
+        limits=RolloutLimits(chunk_size=8, max_turns=5),
+    )
+    first = FrozenLake(size=4).reset(3)
+    assert t.finish_reason == "done" and len(t.env_rewards) == len(t.env_states) == 2
+    assert t.env_states[0] == first and t.env_states[1] != first
+    grid_after_one_turn = _spans_text(tok, t)[1][1]
+    assert t.env_states[1] in grid_after_one_turn  # the observation is the next anchor
 
 
 def test_sampled_rollouts_are_reproducible_and_logprobs_match(tiny):

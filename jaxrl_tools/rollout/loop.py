@@ -17,8 +17,9 @@ Segment end handling:
   (ToRL, ReTool, Search-R1) or, for chat protocols, as tool turns in the tokenizer's template.
 - EOS / a final stop string: with a parser, a segment that parses into calls without error (Qwen
   multi-call turns ending in <|im_end|>) is a tool turn; otherwise the trajectory ends
-  ("eos" / "stop"). With an environment (RAGEN style), the turn text goes to `env.step` and the
-  returned observation is appended as a user turn until `done` ("done") or `max_turns`.
+  ("eos" / "stop"). With an environment (RAGEN style), the turn text (without its end token)
+  goes to `env.step` and the returned observation is appended as a user turn until `done`
+  ("done") or `max_turns`.
 
 Finish reasons: "eos", "stop", "length" (max_response_tokens reached; observations count),
 "budget" (the slot's KV cache / context `max_len` is full), "turns" (max_turns model segments
@@ -185,7 +186,8 @@ async def arun_rollouts(
       protocol: a parser name ("qwen", "torl", "retool", "search_r1"), a parser object, or None.
       executor: a ToolExecutor (needed with a protocol).
       env_factory: f(prompt_index, sample_index) -> env with step(action_text) ->
-        (obs_text, reward, done) (sync or async): RAGEN-style multi-turn environments.
+        (obs_text, reward, done) or a `jaxrl_tools.envs.StepResult` (sync or async):
+        RAGEN-style multi-turn environments.
       env_format: f(obs_text) -> text inserted after an env step (default: a user turn in the
         tokenizer's chat template).
       limits: RolloutLimits (max response tokens, C, max turns, observation cap, chunk size).
@@ -296,8 +298,10 @@ async def arun_rollouts(
             obs = continuation("tool", await run_calls(s, parsed))
         else:
             step = s.env.step(seg_text)
-            obs_text, reward, is_done = (await step) if inspect.isawaitable(step) else step
+            step = (await step) if inspect.isawaitable(step) else step
+            obs_text, reward, is_done = step  # a tuple, or an envs.StepResult
             s.traj.env_rewards.append(float(reward))
+            s.traj.env_states.append(getattr(step, "info", {}).get("anchor_state"))
             if is_done:
                 return ("finish", "done")
             obs, reward = continuation("user", [obs_text]), float(reward)
@@ -323,6 +327,8 @@ async def arun_rollouts(
                 kind = "tool"
         if kind is None and s.env is not None:
             kind = "env"
+            if reason == "eos":  # the environment gets the turn's text, not its end token
+                seg_text = decode(s.seg_tokens[:-1])
         if kind is None:
             return reason
         if s.turns >= limits.max_turns:

@@ -1,0 +1,212 @@
+"""Environments: deterministic under a seed, solvable, rewards and ends as specified, and RAGEN's
+turn protocol."""
+
+import asyncio
+import collections
+import dataclasses
+
+import pytest
+
+from jaxrl_tools.envs import FrozenLake, RagenTurns, Refine, Sokoban, make_env, parse_turn, refine
+from jaxrl_tools.envs import sokoban as sk
+
+
+def solve(env, actions, max_states=200_000):
+    """Breadth-first search over an environment's states by replaying action sequences from the
+    seed; returns a shortest successful action list or None."""
+    seed = env.seed_for_test
+    start = env.reset(seed)
+    frontier = collections.deque([()])
+    seen = {start}
+    while frontier and len(seen) < max_states:
+        path = frontier.popleft()
+        for a in actions:
+            env.reset(seed)
+            res = None
+            for step in (*path, a):
+                res = env.step(step)
+            if res.info.get("success"):
+                return [*path, a]
+            if not res.done and res.observation not in seen:
+                seen.add(res.observation)
+                frontier.append((*path, a))
+    return None
+
+
+# --------------------------------------------------------------------------- Sokoban
+@pytest.mark.parametrize("seed", range(12))
+def test_sokoban_rooms_are_deterministic_and_solvable(seed):
+    env = Sokoban(dim_room=(6, 6), num_boxes=1, max_steps=100)
+    grid = env.reset(seed)
+    assert Sokoban(dim_room=(6, 6)).reset(seed) == grid
+    rows = grid.split("\n")
+    assert len(rows) == 6 and all(len(r.split(" ")) == 6 for r in rows)
+    assert grid.count("P") + grid.count("S") == 1 and grid.count("X") == 1  # box off target
+    assert all(c == "#" for c in rows[0].split(" ") + rows[-1].split(" "))
+    env.seed_for_test = seed
+    path = solve(env, Sokoban.actions)
+    assert path is not None, grid
+    env.reset(seed)
+    results = [env.step(a) for a in path]
+    assert results[-1].done and results[-1].info["success"]
+    assert results[-1].reward == pytest.approx(sk.STEP_PENALTY + sk.BOX_ON + sk.SOLVED)
+    assert all(r.reward == pytest.approx(sk.STEP_PENALTY) for r in results[:-1])
+
+
+def test_sokoban_seeds_give_different_rooms():
+    rooms = {Sokoban().reset(s) for s in range(20)}
+    assert len(rooms) >= 15
+
+
+def test_sokoban_pushes_walls_and_rewards():
+    env = Sokoban(dim_room=(5, 7), max_steps=5)
+    env.reset(0)
+    env.walls = sk.np.ones((5, 7), bool)  # a corridor, and a nook above its left end
+    env.walls[2, 1:6] = False
+    env.walls[1, 1] = False
+    env.targets = frozenset({(2, 3), (1, 1)})
+    env.player, env.boxes = (2, 1), frozenset({(2, 2), (2, 5)})
+    start = env.render()
+    assert start.split("\n")[1:3] == ["# O # # # # #", "# P X O _ X #"]
+    res = env.step("Down")  # into a wall: a step, nothing moves
+    assert res.reward == pytest.approx(-0.1) and env.player == (2, 1) and not res.done
+    assert res.info["anchor_state"] == start and res.observation == start
+    res = env.step("Right")  # a box onto a target
+    assert res.reward == pytest.approx(0.9) and not res.done
+    assert res.observation.split("\n")[2] == "# _ P √ _ X #"
+    res = env.step("Right")  # and off it again
+    assert res.reward == pytest.approx(-1.1) and env.boxes == {(2, 4), (2, 5)}
+    assert res.observation.split("\n")[2] == "# _ _ S X X #"
+    res = env.step("Right")  # two boxes in a row do not move
+    assert res.reward == pytest.approx(-0.1) and env.player == (2, 3)
+    res = env.step("Left")
+    assert res.done and not res.info["success"]  # max_steps
+
+
+# --------------------------------------------------------------------------- FrozenLake
+def test_frozenlake_is_deterministic_and_rewards_the_goal():
+    env = make_env("frozenlake", size=4, slippery=False)
+    grid = env.reset(3)
+    assert FrozenLake(size=4).reset(3) == grid
+    assert grid.split("\n")[0].split(" ")[0] == "P" and grid.count("G") == 1
+    env.seed_for_test = 3
+    path = solve(env, FrozenLake.actions)
+    assert path is not None
+    env.reset(3)
+    results = [env.step(a) for a in path]
+    assert [r.reward for r in results] == [0.0] * (len(path) - 1) + [1.0]
+    assert results[-1].done and "√" in results[-1].observation
+
+
+def test_frozenlake_hole_ends_the_episode():
+    env = FrozenLake(size=4, slippery=False)
+    for seed in range(50):
+        env.reset(seed)
+        desc = env._env.unwrapped.desc.astype(str)
+        if desc[0][1] == "H":
+            res = env.step("Right")
+            assert res.done and res.reward == 0.0 and not res.info["success"]
+            assert res.observation.split("\n")[0].split(" ")[1] == "X"
+            return
+    pytest.fail("no map with a hole right of the start in 50 seeds")
+
+
+def test_slippery_frozenlake_replays_under_a_seed():
+    def play(seed):
+        env = FrozenLake(size=4, slippery=True, max_steps=8)
+        env.reset(seed)
+        return [env.step(a).observation for a in ("Down", "Right", "Down", "Right")]
+
+    assert play(5) == play(5)
+    assert len({tuple(play(s)) for s in range(10)}) > 1
+
+
+# --------------------------------------------------------------------------- RAGEN turns
+def test_parse_turn():
+    acts = Sokoban.actions
+    assert parse_turn("<think>go</think><answer>Up</answer>", acts, 1) == ["Up"]
+    assert parse_turn(" <think>a</think>\n<answer>up || LEFT</answer> ", acts, 3) == [
+        "Up",
+        "Left",
+    ]
+    assert parse_turn("<think>a</think><answer>Up || Up || Down</answer>", acts, 2) == [
+        "Up",
+        "Up",
+    ]
+    for bad in (
+        "<answer>Up</answer>",  # no think
+        "<think>a</think><answer>Jump</answer>",  # not an action
+        "<think>a</think><answer>Up ||</answer>",
+        "<think>a</think><answer>Up</answer> and more",
+        "Up",
+    ):
+        assert parse_turn(bad, acts, 3) is None, bad
+
+
+def test_ragen_turns_penalise_format_and_take_several_actions():
+    env = RagenTurns(FrozenLake(size=4), max_actions_per_turn=2, format_penalty=-0.1, max_turns=3)
+    start = env.reset(3)
+    assert "<answer>" in env.instructions() and "Left, Down, Right, Up" in env.instructions()
+    res = env.step("Down")  # no tags: penalised, nothing moves
+    assert res.reward == -0.1 and not res.done and res.info["valid"] is False
+    assert res.observation.endswith(start) and env.state_key == start
+    res = env.step("<think>x</think><answer>Left || Up</answer>")  # both bump the edge
+    assert res.info["actions"] == ["Left", "Up"] and res.info["anchor_state"] == start
+    assert res.observation == start and not res.done
+    res = env.step("<think>x</think><answer>Left</answer>")
+    assert res.done and not res.info["success"]  # the third turn is the last
+    obs, reward, done = res  # the rollout loop unpacks three values
+    assert done and reward == 0.0
+
+
+# --------------------------------------------------------------------------- refinement
+@pytest.fixture(scope="module")
+def pool():
+    from jaxrl_tools.tools import SandboxConfig, SandboxPool
+
+    with SandboxPool(1, SandboxConfig(timeout_s=5.0, preload=("math",))) as p:
+        yield p
+
+
+def test_refine_scores_the_fraction_of_hidden_tests_and_ends_when_all_pass(pool):
+    env = make_env("refine", pool=pool, num_tests=6, max_turns=3)
+    seed = next(s for s in range(100) if refine.TASKS[0] is _task_of(s))
+    prompt = env.reset(seed)
+    assert "def digit_sum(n: int) -> int" in prompt and "```python" in prompt
+    wrong = "```python\ndef digit_sum(n):\n    return n % 10\n```"  # right for one-digit n only
+    res = asyncio.run(env.step("No code here."))
+    assert res.reward == 0.0 and not res.done and "No ```python block" in res.observation
+    res = asyncio.run(env.step(wrong))
+    expected = sum(len(str(args[0])) == 1 for args in env.inputs) / 6
+    assert res.reward == pytest.approx(expected) and not res.done
+    assert "First failure: digit_sum(" in res.observation and "expected" in res.observation
+    right = "Here:\n```python\ndef digit_sum(n):\n    return sum(map(int, str(n)))\n```"
+    res = asyncio.run(env.step(right))
+    assert res.reward == pytest.approx(2.0) and res.done and res.info["success"]
+    assert res.observation.startswith("6 of 6 tests passed")
+
+
+def test_refine_reports_code_that_does_not_run_and_stops_after_max_turns(pool):
+    env = Refine(pool, num_tests=3, max_turns=2)
+    env.reset(1)
+    res = asyncio.run(env.step("```python\ndef broken(:\n```"))
+    assert res.reward == 0.0 and "did not run: SyntaxError" in res.observation and not res.done
+    res = asyncio.run(env.step(f"```python\ndef {env.task.name}(*a):\n    raise KeyError(1)\n```"))
+    assert res.reward == 0.0 and res.done and "raised KeyError" in res.observation
+
+
+def test_refine_never_sends_expected_values_to_the_sandbox():
+    """What runs in the sandbox depends on the code and the inputs only: with another reference
+    (other expected values) the harness is byte-identical."""
+    env = Refine(pool=None, num_tests=8)
+    for seed in range(12):
+        env.reset(seed)
+        harness = env._harness("pass")
+        env.task = dataclasses.replace(env.task, reference=lambda *a: "other")
+        assert env._harness("pass") == harness
+
+
+def _task_of(seed):
+    import numpy as np
+
+    return refine.TASKS[int(np.random.default_rng(seed).integers(len(refine.TASKS)))]

@@ -51,6 +51,16 @@ def load_corpus(path: str | Path) -> list[tuple[str, str]]:
     return docs
 
 
+def corpus_ids(path: str | Path) -> list[str]:
+    """Each passage's "id" field (as a string), else its 0-based position in the corpus."""
+    ids = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                ids.append(str(json.loads(line).get("id", len(ids))))
+    return ids
+
+
 def _tokenize(texts: list[str]) -> list[list[str]]:
     return bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
 
@@ -66,6 +76,7 @@ class BM25Index:
     def __init__(self, corpus_path: str | Path, cache_dir: str | Path | None = None):
         self.corpus_path = Path(corpus_path)
         self.docs = load_corpus(self.corpus_path)
+        self.ids = corpus_ids(self.corpus_path)
         cache_dir = Path(cache_dir or Path.home() / ".cache" / "jaxrl_tools" / "bm25")
         self.index_dir = cache_dir / f"bm25_{corpus_hash(self.corpus_path)[:24]}"
         self.loaded_from_cache = (self.index_dir / "params.index.json").exists()

@@ -1,7 +1,8 @@
 """Rule-based rewards, chosen by name from one registry and composed (`CompositeReward`).
 
 Importing the package registers every reward: outcome (math, qa_em, format, exec_penalty,
-tool_success, retool, dapo_overlong), tool calls (toolrl, tool_n1) and OTC (otc_ppo, otc_grpo).
+tool_success, retool, dapo_overlong), tool calls (toolrl, tool_n1), OTC (otc_ppo, otc_grpo) and
+DeepRetrieval's (retrieval, sql_exec).
 """
 
 from jaxrl_tools.rewards.answers import (
@@ -38,6 +39,13 @@ from jaxrl_tools.rewards.registry import (
     register_reward,
     registered_rewards,
 )
+from jaxrl_tools.rewards.retrieval import (
+    ndcg_at_k,
+    recall_at_k,
+    retrieval_reward,
+    run_readonly,
+    sql_exec_reward,
+)
 from jaxrl_tools.rewards.tool_calls import tool_n1_reward, toolrl_correctness, toolrl_reward
 
 __all__ = [
@@ -70,4 +78,9 @@ __all__ = [
     "dapo_overlong_reward",
     "toolrl_reward",
     "tool_n1_reward",
+    "ndcg_at_k",
+    "recall_at_k",
+    "retrieval_reward",
+    "run_readonly",
+    "sql_exec_reward",
 ]

@@ -100,7 +100,7 @@ def sandbox_at(ref: str):
     return old.SandboxPool, importlib.import_module("sandbox_at_ref.sandbox").SandboxConfig
 
 
-def compare(ref: str, calls: int, workers: int, rounds: int = 4) -> None:
+def compare(ref: str, calls: int, workers: int, rounds: int = 8) -> None:
     """print(1+1) latency here vs at `ref`, alternating rounds of calls/rounds each."""
     old_pool_cls, old_cfg_cls = sandbox_at(ref)
     pools = {

@@ -1,6 +1,24 @@
 """Shared fixtures: tiny random Hugging Face models saved into temporary folders."""
 
+import os
+import shutil
+import tempfile
+
 import pytest
+
+# One XLA compilation cache for the run, inherited by the subprocess tests (resume, CLI, the
+# 8-device sharding runs), which compile the same programs again in each process.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _XLA_CACHE = tempfile.mkdtemp(prefix="jaxrl_tests_xla_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+else:
+    _XLA_CACHE = None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _XLA_CACHE is not None:
+        shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+
 
 TINY = dict(
     vocab_size=256,

@@ -2,13 +2,15 @@
 
 Started once per pool slot by `sandbox.py`; imports numpy/sympy/math once, forks its zygote, then
 serves requests read from stdin as length-prefixed JSON frames. The zygote, which never sees a
-request's data, forks one process per snippet; before running model code it gets: its own
-process group, a fresh work dir, rlimits (CPU, address space, nproc, fsize, nofile, core), first
-place for the OOM killer, a Landlock domain (read-only view, writes only in its work dir, no TCP,
-no signals or abstract sockets outside its own domain) and a seccomp filter (no sockets but
-socketpair, no IPC objects or memfds, no ptrace, mount, namespaces, bpf, ...). After each snippet
-every process in the sandbox but the worker and its zygote is SIGKILLed, the answer is sent, the
-work dir is emptied (bounded in time) and a "ready" frame tells the host the worker is clean.
+request's data, forks one process per snippet, ahead of the call (it waits on a pipe for its
+job). Before running model code that process gets: its own process group, a fresh work dir,
+rlimits (CPU, address space, nproc, fsize, nofile, core), first place for the OOM killer, a
+Landlock domain (read-only view, writes only in its work dir, no TCP, no signals or abstract
+sockets outside its own domain) and a seccomp filter (no sockets but socketpair, no IPC objects
+or memfds, no ptrace, mount, namespaces, bpf, ...). It writes its exit code on a pipe as it ends.
+After each snippet every process in the sandbox but the worker and its zygote is SIGKILLed, the
+answer is sent, the work dir is emptied (bounded in time), the next snippet process is forked,
+and a "ready" frame tells the host the worker is clean.
 
 Self-contained on purpose (standard library + pyseccomp only): it is bound into the sandbox as a
 single file, the jaxrl_tools package is not visible there.
@@ -299,11 +301,13 @@ class ZygoteLost(RuntimeError):
 
 
 class Worker:
-    """Serves requests; its zygote forks the snippets.
+    """Serves requests; its zygote forks the snippet processes.
 
-    The zygote is forked before any request is read and only ever receives file descriptors,
-    so a snippet, a copy of the zygote's memory, cannot find an earlier call's code, stdin,
-    files or output there (a fork of this process could: its heap keeps freed request data).
+    The zygote is forked before any request is read and never receives a request's data, so a
+    snippet, a copy of the zygote's memory, cannot find an earlier call's code, stdin, files or
+    output there (a fork of this process could: its heap keeps freed request data). The next
+    snippet process is forked ahead, between calls, and waits on its own pipe for its job: the
+    fork is off the caller's clock.
     """
 
     def __init__(self, cfg: dict, in_fd: int, out_fd: int):
@@ -334,7 +338,10 @@ class Worker:
             finally:
                 os._exit(0)
         zsock.close()
+        self.next: tuple[int, int, int, int] | None = None  # pid, job, stdout, stderr fds
+        self._fork_next()
         self.probe = self._probe()
+        self._fork_next()
 
     def hello(self) -> dict:
         status = _proc_status()
@@ -378,6 +385,10 @@ class Worker:
             # Cleanup off the caller's clock: the host hands this worker to the next caller
             # only after this frame, and replaces it when the work dirs cannot be emptied in time.
             ready = not lost and _empty_dir(self.base, time.monotonic() + self.cleanup_s)
+            try:
+                ready = ready and self._fork_next()
+            except ZygoteLost:
+                ready = False
             _send(self.out_fd, {"ready": ready})
             if not ready:
                 return
@@ -438,38 +449,60 @@ class Worker:
         except ValueError:
             return {"error": (resp["stderr"] or resp["status"])[-500:]}
 
-    def _spawn(self, job: dict) -> tuple[int, int, int]:
-        """Has the zygote fork a snippet process for `job`: (pid, stdout fd, stderr fd)."""
-        job_fd = os.memfd_create("job", os.MFD_CLOEXEC)
-        view = memoryview(json.dumps(job).encode())
-        while view:
-            view = view[os.write(job_fd, view) :]
-        os.lseek(job_fd, 0, os.SEEK_SET)
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        try:
-            socket.send_fds(self.ctrl, [b"j"], [job_fd, out_w, err_w], socket.MSG_NOSIGNAL)
-        except OSError as e:
-            os.close(out_r)
-            os.close(err_r)
-            raise ZygoteLost(e) from None
-        finally:
-            for fd in (job_fd, out_w, err_w):
+    def _fork_next(self) -> bool:
+        """Has the zygote fork the next snippet process, which waits for its job."""
+        self.ctrl.send(b"fork", socket.MSG_NOSIGNAL)
+        while True:
+            msg, fds, _, _ = socket.recv_fds(self.ctrl, 16, 4)
+            if not msg:
+                raise ZygoteLost("zygote exited")
+            if msg[:1] == b"f" and len(fds) == 4:
+                (pid,) = struct.unpack("<i", msg[1:5])
+                self.next = (pid, *fds)
+                return True
+            for fd in fds:  # an exit report of an earlier process: already accounted for
                 os.close(fd)
-        (pid,) = struct.unpack("<i", self._from_zygote(4))
-        return pid, out_r, err_r
 
-    def _from_zygote(self, n: int) -> bytes:
-        msg = self.ctrl.recv(n)
-        if len(msg) != n:
-            raise ZygoteLost("zygote exited")
-        return msg
+    def _spawn(self, job: dict) -> tuple[int, int, int, int]:
+        """Gives `job` to the waiting snippet process: (pid, stdout, stderr, exit-code fds)."""
+        if self.next is None:
+            raise ZygoteLost("no snippet process is waiting")
+        (pid, job_w, out_r, err_r, code_r), self.next = self.next, None
+        try:
+            view = memoryview(json.dumps(job).encode())
+            while view:
+                view = view[os.write(job_w, view) :]
+        except OSError as e:
+            for fd in (out_r, err_r, code_r):
+                os.close(fd)
+            raise ZygoteLost(f"the waiting snippet process is gone ({e})") from None
+        finally:
+            os.close(job_w)
+        return pid, out_r, err_r, code_r
+
+    def _reported_exit(self, pid: int):
+        """`pid`'s wait status if the zygote has reported it (reads what is there, never
+        blocks); reports of earlier processes are dropped."""
+        while True:
+            try:
+                msg = self.ctrl.recv(16, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return None
+            if not msg:
+                raise ZygoteLost("zygote exited")
+            if msg[:1] == b"s":
+                done, status = struct.unpack("<ii", msg[1:9])
+                if done == pid:
+                    return status
 
     def _await_exit(self, pid: int, timeout: float):
         """The snippet's wait status, killing it after `timeout`; None if it never exits."""
         for grace in (timeout, 2.0):
-            if select.select([self.ctrl], [], [], grace)[0]:
-                return struct.unpack("<ii", self._from_zygote(8))[1]
+            end = time.monotonic() + grace
+            while select.select([self.ctrl], [], [], max(end - time.monotonic(), 0.0))[0]:
+                status = self._reported_exit(pid)
+                if status is not None:
+                    return status
             _kill_pg(pid)
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -479,45 +512,60 @@ class Worker:
 
     def _execute(self, job: dict, cap: int, kill_bytes: int) -> dict:
         t0 = time.monotonic()
-        pid, out_r, err_r = self._spawn(job)
+        pid, out_r, err_r, code_r = self._spawn(job)
         caps = {out_r: _Capture(cap), err_r: _Capture(cap)}
-        open_fds = [out_r, err_r]
+        # The exit is known from the code the snippet process writes as it ends (the fast
+        # path), or else from the zygote's wait status; then what is left to read is drained.
+        waiting = [out_r, err_r, code_r, self.ctrl]
         deadline = t0 + job["total_timeout"]
         timed_out = over_output = False
         status_code = None
-        exited = False
-        while open_fds:
+        while True:
+            exited = status_code is not None
             left = deadline - time.monotonic()
-            if left <= 0:
+            if not exited and left <= 0:
                 timed_out = True
                 break
+            pipes = [fd for fd in waiting if fd in (out_r, err_r)]
+            if exited and not pipes:
+                break
             ready, _, _ = select.select(
-                open_fds + ([] if exited else [self.ctrl]), [], [], 0.0 if exited else left
+                pipes if exited else waiting, [], [], 0.0 if exited else left
             )
             if exited and not ready:
-                break  # child gone and its pipes drained (a leftover may still hold them)
+                break  # drained (a leftover process may still hold the pipes: it is killed)
             for fd in ready:
                 if fd is self.ctrl:
-                    status_code = struct.unpack("<ii", self._from_zygote(8))[1]
-                    exited = True
+                    status_code = self._reported_exit(pid)
                     continue
                 b = os.read(fd, 1 << 16)
-                if not b:
-                    open_fds.remove(fd)
-                    continue
-                caps[fd].feed(b)
+                if fd == code_r:
+                    waiting.remove(code_r)
+                    if len(b) == 4:
+                        status_code = (struct.unpack("<i", b)[0] & 0xFF) << 8
+                elif b:
+                    caps[fd].feed(b)
+                else:
+                    waiting.remove(fd)
             if caps[out_r].total + caps[err_r].total > kill_bytes:
                 over_output = True
                 break
         if timed_out or over_output:
             _kill_pg(pid)
-        if not exited:
+            status_code = None
+        if status_code is None:
             status_code = self._await_exit(pid, max(deadline - time.monotonic(), 0.0) + 0.5)
         elapsed = time.monotonic() - t0
-        # Nothing may outlive the call: kill every process of the sandbox but us and the zygote.
-        _kill_all_others(bool(self.cfg.get("own_pid_namespace")), spare=self.zygote)
-        os.close(out_r)
-        os.close(err_r)
+        # Nothing may outlive the call: kill every process of the sandbox but us and the
+        # zygote (the snippet process is killed too, and its zygote reaps it).
+        _kill_pg(pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        _kill_all_others(bool(self.cfg.get("own_pid_namespace")), spare=(self.zygote, pid))
+        for fd in (out_r, err_r, code_r):
+            os.close(fd)
         stdout, stderr = caps[out_r].text(), caps[err_r].text()
         if status_code is None:  # unkillable?! report and let the host replace us
             raise ZygoteLost("snippet did not exit")
@@ -542,33 +590,56 @@ class Worker:
 
     # ---------------------------------------------------------------------------- zygote
     def _zygote_loop(self, sock: socket.socket) -> None:
-        """Forks one snippet process per job; runs until the worker closes the socket."""
+        """Forks snippet processes on request and reports their exits; runs until the worker
+        closes the socket."""
+        waiting: dict[int, int] = {}  # pidfd -> pid of forked processes
         while True:
-            _, fds, _, _ = socket.recv_fds(sock, 16, 3)
-            if len(fds) != 3:
-                return
-            pid = os.fork()
-            if pid == 0:  # the snippet process: never returns
-                try:
-                    sock.close()
-                    self._child(*fds)
-                except BaseException as e:  # noqa: BLE001 -- setup failed: never run the code
-                    try:
-                        os.write(2, f"SandboxError: snippet setup failed: {e!r}\n".encode())
-                    except OSError:
-                        pass
-                finally:
-                    os._exit(120)
-            for fd in fds:
-                os.close(fd)
-            sock.send(struct.pack("<i", pid))
-            _, status = os.waitpid(pid, 0)
-            sock.send(struct.pack("<ii", pid, status))
+            ready, _, _ = select.select([sock, *waiting], [], [])
+            for r in ready:
+                if r is sock:
+                    if not sock.recv(16):
+                        return
+                    pid, fds = self._fork_snippet(sock)
+                    waiting[os.pidfd_open(pid)] = pid
+                    socket.send_fds(sock, [b"f" + struct.pack("<i", pid)], fds)
+                    for fd in fds:
+                        os.close(fd)
+                else:
+                    pid = waiting.pop(r)
+                    os.close(r)
+                    _, status = os.waitpid(pid, 0)
+                    sock.send(b"s" + struct.pack("<ii", pid, status))
 
-    def _child(self, job_fd: int, out_w: int, err_w: int) -> None:
-        with os.fdopen(job_fd, "rb") as fh:
-            job = json.loads(fh.read())
+    def _fork_snippet(self, sock) -> tuple[int, list[int]]:
+        """A snippet process that waits for its job: (pid, the worker's ends of its job, stdout,
+        stderr and exit-code pipes)."""
+        job_r, job_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        code_r, code_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the snippet process: never returns
+            try:
+                sock.close()
+                for fd in (job_w, out_r, err_r, code_r):
+                    os.close(fd)
+                with os.fdopen(job_r, "rb") as fh:
+                    job = json.loads(fh.read())
+                self._child(job, out_w, err_w, code_w)
+            except BaseException as e:  # noqa: BLE001 -- setup failed: never run the code
+                try:
+                    os.write(err_w, f"SandboxError: snippet setup failed: {e!r}\n".encode())
+                except OSError:
+                    pass
+            finally:
+                os._exit(120)
+        for fd in (job_r, out_w, err_w, code_w):
+            os.close(fd)
+        return pid, [job_w, out_r, err_r, code_r]
+
+    def _child(self, job: dict, out_w: int, err_w: int, code_w: int) -> None:
         os.setpgid(0, 0)
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # writing into a closed pipe ends the snippet
         # The kernel's OOM killer takes snippet processes (and their children) first.
         with open("/proc/self/oom_score_adj", "w") as fh:
             fh.write("1000")
@@ -581,7 +652,7 @@ class Worker:
         rules = (
             self.static_rules + landlock_rules(self.abi, [], [workdir], []) if self.abi >= 1 else []
         )
-        keep = sorted(fd for fd, _ in rules)
+        keep = sorted([fd for fd, _ in rules] + [code_w])
         lo = 3
         for fd in keep:  # close everything inherited from the worker but the rule fds
             os.closerange(lo, fd)
@@ -604,7 +675,7 @@ class Worker:
             resource.setrlimit(res, val if isinstance(val, tuple) else (val, val))
         if self.abi >= 1:
             apply_landlock(self.abi, rules)
-            for fd in keep:
+            for fd, _ in rules:
                 os.close(fd)
         if self.seccomp is not None:
             self.seccomp.load()
@@ -624,7 +695,7 @@ class Worker:
                     "SessionReplayError: an earlier cell of this session failed when replayed\n"
                 )
                 sys.stderr.flush()
-                os._exit(121)
+                _exit_with(121, code_w)
         if job["replay"]:  # the new cell still gets only its own time limit
             signal.setitimer(signal.ITIMER_REAL, timeout)
         ok = _run_code(job["code"], "<snippet>", quiet=False, ns=ns)
@@ -636,7 +707,16 @@ class Worker:
             sys.stderr.flush()
         except Exception:  # noqa: BLE001
             pass
-        os._exit(code)
+        _exit_with(code, code_w)
+
+
+def _exit_with(code: int, code_w: int) -> None:
+    """Ends a snippet process, telling the worker its exit code first (the output is flushed)."""
+    try:
+        os.write(code_w, struct.pack("<i", code))
+    except OSError:
+        pass
+    os._exit(code)
 
 
 _LIMITS = ("memory_mb", "nproc", "nofile", "fsize_mb", "line_buffered")
@@ -751,16 +831,16 @@ def _kill_pg(pid: int) -> None:
         pass
 
 
-def _kill_all_others(own_pid_namespace: bool, spare: int) -> None:
+def _kill_all_others(own_pid_namespace: bool, spare: tuple[int, ...]) -> None:
     """Kills every process a snippet started, directly or not, and reaps them (not `spare`)."""
     me = os.getpid()
     end = time.monotonic() + 2.0
     while time.monotonic() < end:
         if own_pid_namespace:  # the sandbox's own /proc: every process but init is ours
             others = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-            others = [p for p in others if p not in (1, me, spare)]
+            others = [p for p in others if p != 1 and p != me and p not in spare]
         else:  # no pid namespace: orphans of snippets come to us (we are a subreaper)
-            others = [p for p in _children(me) if p != spare]
+            others = [p for p in _children(me) if p not in spare]
         if not others:
             return
         for pid in others:
@@ -816,7 +896,6 @@ def main() -> None:
             pass
     gc.collect()
     gc.freeze()  # preloaded objects never scanned by a child's GC: fewer copy-on-write faults
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     _libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of snippets come to us
     Worker(cfg, in_fd, out_fd).serve()
 

@@ -10,6 +10,7 @@ The package is the pipeline; each subpackage is a stage:
     train                    state, policy, batches, objectives, the RL trainer, SFT
     eval, demo, run, cli     evaluation, the demo task, composition, the command line
     check, smoke             pre-flight checks of a whole run; the `--smoke` version of a recipe
+    interop                  batches in verl's layout; one update here vs PyTorch (`repro`)
 
 `models`, `sharding` and `tools` are the decoders, the device mesh and the tools.
 """

@@ -1,9 +1,9 @@
-"""`jaxrl-tools`: demo, train, check, sft, eval, export.
+"""`jaxrl-tools`: demo, train, check, sft, eval, export, repro.
 
 Every subcommand takes `--config` (a YAML file or a shipped recipe name) and dotted overrides
 (`trainer.steps=10 optim.lr=1e-6`, `--trainer.steps 10`). A mistake in the config, the data,
 the model folder or the machine's set-up is one line, `jaxrl-tools: <what and how to fix it>`,
-and exit status 2.
+and exit status 2. `repro` exits 1 when a stage differs past its tolerance.
 """
 
 import argparse
@@ -16,12 +16,13 @@ from jaxrl_tools import check, configs, run, smoke
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import load_config
 from jaxrl_tools.data import DataError
+from jaxrl_tools.interop.repro import repro
 from jaxrl_tools.tools import SandboxUnavailableError
 from jaxrl_tools.train.signals import RunInterrupted
 
 DEMO_CONFIG = "grpo_tool_math"
 # Options that take a value (kept with it when the dotted overrides are picked out of argv).
-_VALUE_OPTIONS = ("--config", "--out", "--step", "--baseline-reward")
+_VALUE_OPTIONS = ("--config", "--out", "--step", "--baseline-reward", "--batch")
 _DOTTED_OPTION = re.compile(r"^--[A-Za-z_][\w\[\]]*[.\[][\w.\[\]]*(=.*)?$", re.DOTALL)
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][\w.\[\]]*=", re.DOTALL)
 # A user's mistake: printed as one line, no traceback.
@@ -65,7 +66,7 @@ def _load(args):
     return smoke.smoke_config(cfg) if getattr(args, "smoke", False) else cfg
 
 
-def _dispatch(args, cfg) -> None:
+def _dispatch(args, cfg) -> int | None:
     if getattr(args, "smoke", False):  # runs/smoke/<run_name> is scratch: start it afresh
         smoke.clear_outputs(cfg)
     if args.command == "check":
@@ -96,6 +97,11 @@ def _dispatch(args, cfg) -> None:
                 print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
     elif args.command == "export":
         print(f"exported to {run.export(cfg, args.out, args.step)}")
+    elif args.command == "repro":
+        lines, ok = repro(cfg, args.batch, with_torch=args.torch)
+        print("\n".join(lines))
+        return 0 if ok else 1
+    return None
 
 
 def main(argv=None) -> int:
@@ -144,6 +150,16 @@ def main(argv=None) -> int:
     p = command("export", "write a checkpoint's policy as a Hugging Face folder")
     p.add_argument("--out", required=True)
     p.add_argument("--step", type=int)
+    p = command(
+        "repro",
+        "one update of model.path on a saved batch (verl's fields, jaxrl_tools.interop): "
+        "log-probs, advantages, loss, gradients, weights after one AdamW step; exit 1 past the "
+        "tolerances",
+    )
+    p.add_argument("--batch", required=True, help="parquet file of interop.save_batch / verl")
+    p.add_argument(
+        "--torch", action="store_true", help="also run the PyTorch reference and compare"
+    )
     rest, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(rest)
     args.overrides = [*overrides, *args.overrides]
@@ -153,7 +169,7 @@ def main(argv=None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
     try:
-        _dispatch(args, _load(args))
+        code = _dispatch(args, _load(args))
     except USER_ERRORS as e:
         # A bad config, data file or line, model or tokenizer folder, a machine without the
         # sandbox or the devices, a run folder that does not fit: the message names it and the
@@ -163,7 +179,7 @@ def main(argv=None) -> int:
     except RunInterrupted as e:  # Ctrl-C / SIGTERM: the step finished and was saved
         print(f"jaxrl-tools: {e}", file=sys.stderr)
         return e.exit_code
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

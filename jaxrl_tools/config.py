@@ -100,11 +100,37 @@ class ModelSection:
 
     path: str | None = None
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    dtype: str = "float32"  # compute / parameter dtype of the policy
+    # Mixed precision (`models.DTypePolicy`): `dtype` is the compute dtype of every forward and
+    # backward pass and of the rollout engine's weights; `param_dtype` that of the master weights
+    # and optimizer state; `kv_cache_dtype` the decode engine's KV cache (null: `dtype`).
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    kv_cache_dtype: str | None = None
+    attention: str = "auto"  # models.attention.IMPLS: auto | dense | chunked | cudnn | pallas
     remat: bool = False  # rematerialise decoder layers in the update (memory for compute)
+    remat_policy: str = "layer"  # with remat: "layer" recomputes everything, "dots" not matmuls
 
     def __post_init__(self):
-        _check_choice(self.dtype, "model.dtype", tuple(models.PARAM_DTYPES))
+        _check_choice(self.remat_policy, "model.remat_policy", ("layer", "dots"))
+        dtypes = tuple(models.PARAM_DTYPES)
+        _check_choice(self.dtype, "model.dtype", dtypes)
+        _check_choice(self.param_dtype, "model.param_dtype", dtypes)
+        if self.kv_cache_dtype is not None:
+            _check_choice(self.kv_cache_dtype, "model.kv_cache_dtype", dtypes)
+        _check_choice(self.attention, "model.attention", models.attention.IMPLS)
+        _check(
+            not (self.param_dtype == "bfloat16" and self.dtype == "float32"),
+            "model.param_dtype",
+            "is bfloat16 but model.dtype (compute) is float32: master weights must be at least "
+            "as precise as the compute; set model.param_dtype: float32",
+        )
+
+    @property
+    def dtypes(self) -> models.DTypePolicy:
+        """The policy's dtype policy (master weights, compute, KV cache)."""
+        return models.DTypePolicy(
+            param=self.param_dtype, compute=self.dtype, cache=self.kv_cache_dtype
+        )
 
     @property
     def is_tiny(self) -> bool:

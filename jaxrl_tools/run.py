@@ -55,8 +55,9 @@ def setup_tokenizer(cfg: RunConfig):
 
 
 def setup_model(cfg: RunConfig, tokenizer, mesh=None) -> tuple[models.ModelConfig, Any]:
-    """The policy: loaded from `model.path`, or a random-init tiny model."""
-    dtype = models.PARAM_DTYPES[cfg.model.dtype]
+    """The policy: loaded from `model.path`, or a random-init tiny model, in the dtype of the
+    master weights (`model.param_dtype`; the compute dtype is applied per pass)."""
+    dtype = models.PARAM_DTYPES[cfg.model.param_dtype]
     if cfg.model.path is not None:
         return models.from_pretrained(cfg.model.path, dtype=dtype, mesh=mesh)
     tiny = dataclasses.asdict(cfg.model.tiny)
@@ -99,7 +100,9 @@ def make_sampler(cfg: RunConfig, model_cfg, params, tokenizer, tools: list, mesh
         if tools
         else None
     )
-    engine = make_engine(model_cfg, params, tokenizer, r, mesh=mesh, seed=cfg.trainer.seed)
+    engine = make_engine(
+        model_cfg, params, tokenizer, r, mesh=mesh, seed=cfg.trainer.seed, dtypes=cfg.model.dtypes
+    )
     return Sampler(
         engine, tokenizer, executor, r, system_prompt=cfg.data.system_prompt, seed=cfg.trainer.seed
     )
@@ -117,7 +120,9 @@ def make_trainer(cfg: RunConfig, model_cfg, params, mesh=None) -> RLTrainer:
         max_response_len=cfg.rollout.max_response_len,
         total_steps=cfg.trainer.steps,
         seed=cfg.trainer.seed,
-        remat=cfg.model.remat,
+        remat=cfg.model.remat_policy if cfg.model.remat else False,
+        dtypes=cfg.model.dtypes,
+        attention=cfg.model.attention,
     )
     return RLTrainer(
         model_cfg,
@@ -193,6 +198,8 @@ def run_sft(cfg: RunConfig, model_cfg, params, tokenizer, mesh=None):
         seed=cfg.trainer.seed,
         on_step=on_step,
         mesh=mesh,
+        dtypes=cfg.model.dtypes,
+        attention=cfg.model.attention,
     )
 
 

@@ -4,11 +4,14 @@ Layers are stacked along a leading "layers" axis and scanned (`nn.scan`): compil
 with depth. All functions are pure; jit them with the (hashable) `ModelConfig` static.
 """
 
-from jaxrl_tools.models.cache import CACHE_AXES, KVCache, cache_axes, init_cache
+from jaxrl_tools.models import attention
+from jaxrl_tools.models.cache import CACHE_AXES, KVCache, cache_axes, cache_bytes, init_cache
 from jaxrl_tools.models.config import (
     PARAM_DTYPES,
     SUPPORTED_MODEL_TYPES,
+    DTypePolicy,
     ModelConfig,
+    cast_floating,
     load_config,
     rope_inv_freq,
 )
@@ -31,10 +34,14 @@ __all__ = [
     "PARAM_DTYPES",
     "SUPPORTED_MODEL_TYPES",
     "Decoder",
+    "DTypePolicy",
     "KVCache",
     "KeySpec",
     "ModelConfig",
+    "attention",
     "cache_axes",
+    "cache_bytes",
+    "cast_floating",
     "default_positions",
     "forward",
     "forward_cached",

@@ -34,6 +34,12 @@ def cache_axes() -> KVCache:
     return KVCache(k=CACHE_AXES, v=CACHE_AXES)
 
 
+def cache_bytes(config, batch: int, max_len: int, dtype=jnp.float32) -> int:
+    """Bytes of a cache of `batch` slots x `max_len` positions (keys and values, all layers)."""
+    per = config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    return 2 * batch * max_len * per * jnp.dtype(dtype).itemsize
+
+
 def init_cache(
     config, batch: int, max_len: int, *, dtype=jnp.float32, mesh=None, rules=None
 ) -> KVCache:

@@ -11,6 +11,7 @@ import math
 import os
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -266,6 +267,69 @@ class ModelConfig:
             out["torch_dtype"] = dtype
             out["dtype"] = dtype
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DTypePolicy:
+    """The dtypes of a policy, in one place (mixed precision).
+
+    - `param`: the master weights and the optimizer state (AdamW moments): what the train state
+      holds and updates are applied to. float32, so that small updates (lr 1e-6 on weights of
+      order 1e-2, far below bfloat16's resolution) are not rounded away.
+    - `compute`: every forward and backward pass (matmuls, activations) and the rollout engine's
+      copy of the weights, cast from the master weights after each update; gradients flow back
+      through the cast into `param`-dtype gradients.
+    - `cache`: the KV cache of the decode engine (None: the compute dtype).
+
+    Always float32, whatever the policy: logits and log-softmax, losses and advantages, gradient
+    accumulation, and the RMSNorm, rotary and attention-softmax internals.
+    Names are keys of PARAM_DTYPES ("float32", "bfloat16").
+    """
+
+    param: str = "float32"
+    compute: str = "float32"
+    cache: str | None = None
+
+    def __post_init__(self):
+        for name in ("param", "compute", "cache"):
+            value = getattr(self, name)
+            if value is None and name == "cache":
+                continue
+            if value not in PARAM_DTYPES:
+                raise ValueError(f"DTypePolicy.{name}={value!r} is not one of {list(PARAM_DTYPES)}")
+
+    @property
+    def param_dtype(self):
+        return PARAM_DTYPES[self.param]
+
+    @property
+    def compute_dtype(self):
+        return PARAM_DTYPES[self.compute]
+
+    @property
+    def cache_dtype(self):
+        return PARAM_DTYPES[self.cache or self.compute]
+
+    @property
+    def mixed(self) -> bool:
+        """Compute runs in another dtype than the master weights."""
+        return self.param != self.compute
+
+    def cast_for_compute(self, params: Any) -> Any:
+        """The compute-dtype copy of (master) params; the params themselves when already so."""
+        return cast_floating(params, self.compute_dtype)
+
+
+def cast_floating(tree: Any, dtype) -> Any:
+    """Floating leaves of `tree` cast to `dtype`; the tree itself when nothing changes (so that
+    a float32 run keeps its very arrays)."""
+    dtype = jnp.dtype(dtype)
+    leaves = jax.tree.leaves(tree)
+    if all(x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating) for x in leaves):
+        return tree
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:

@@ -138,6 +138,53 @@ def _entries(config: ModelConfig) -> Iterator[tuple[str, KeySpec, int | None]]:
             yield spec.hf, spec, None
 
 
+def hf_names(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], int | None]]:
+    """HF tensor name -> (param path, layer index or None): the mapping as a table.
+
+    ``model.layers.1.mlp.up_proj.weight`` is ``params["layers"]["mlp"]["up_proj"]["kernel"][1]``
+    (transposed). A tied model has no ``lm_head.weight``: the head is ``embed.embedding``.
+    """
+    return {name: (spec.path, layer) for name, spec, layer in _entries(config)}
+
+
+def to_hf_tensors(config: ModelConfig, tree: Params) -> dict[str, np.ndarray]:
+    """Any param-shaped tree (params, gradients, Adam moments) as HF-named, HF-shaped arrays.
+
+    The same names, shapes and transposes as ``save_pretrained`` writes, without a file, so a
+    gradient can be compared with ``{n: p.grad for n, p in torch_model.named_parameters()}``.
+    """
+    out = {}
+    for name, spec, layer in _entries(config):
+        leaf = np.asarray(jax.device_get(_get(tree, spec.path)))
+        out[name] = _to_hf(spec, leaf if layer is None else leaf[layer])
+    return out
+
+
+def from_hf_tensors(config: ModelConfig, tensors: dict[str, Any], dtype=jnp.float32) -> Params:
+    """The inverse of ``to_hf_tensors``: HF-named arrays (numpy, or anything np.asarray takes)
+    into a param tree of ``dtype``. A missing name is a KeyError naming it."""
+    shapes = param_shapes(config, dtype)
+    leaves: dict[tuple[str, ...], np.ndarray] = {}
+    for name, spec, layer in _entries(config):
+        if name not in tensors:
+            raise KeyError(f"from_hf_tensors: tensor {name} (for params{list(spec.path)}) missing")
+        shape = _get(shapes, spec.path).shape
+        host = leaves.setdefault(spec.path, np.empty(shape, _np_dtype(dtype)))
+        value = np.asarray(tensors[name])
+        if layer is None:
+            host[...] = _to_param(spec, value, shape)
+        else:
+            host[layer] = _to_param(spec, value, shape[1:])
+
+    def build(tree, prefix=()):
+        return {
+            k: build(v, (*prefix, k)) if isinstance(v, dict) else jnp.asarray(leaves[(*prefix, k)])
+            for k, v in tree.items()
+        }
+
+    return build(shapes)
+
+
 # ---------------------------------------------------------------------------------------------
 # safetensors format
 

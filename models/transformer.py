@@ -29,16 +29,27 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxrl_tools.models import attention as attn_lib
 from jaxrl_tools.models.cache import KVCache
 from jaxrl_tools.models.config import ModelConfig, rope_inv_freq
 from jaxrl_tools.sharding import constrain, sharded_init
 
 Params = dict[str, Any]
 
+# What a rematerialised layer keeps for the backward pass: "layer" nothing but its input (all
+# recomputed), "dots" the outputs of its matmuls (only the cheap elementwise ops recomputed).
+REMAT_POLICIES = ("none", "layer", "dots")
+
+
+def _remat_name(remat: bool | str) -> str:
+    name = {False: "none", True: "layer"}.get(remat, remat) if isinstance(remat, bool) else remat
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"remat={remat!r} is not one of {list(REMAT_POLICIES)} (or a bool)")
+    return name
+
+
 _INIT_STD = 0.02  # transformers' initializer_range
-_NEG = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked row stays NaN-free
 
 
 def _param(module: nn.Module, name: str, init, shape, axes, dtype):
@@ -140,11 +151,16 @@ def _rotate(x_BTNK, cos_BTK, sin_BTK):
 
 
 class Attention(nn.Module):
+    """Self-attention; `mask` = (q_pos_BT, kv_valid_BS, kv_lengths_B or None), see
+    `models.attention`. With a cache, the keys attended are the first kv_valid_BS.shape[1]
+    positions of each row (the live part), not the whole row."""
+
     config: ModelConfig
     param_dtype: Any
+    impl: str = "auto"
 
     @nn.compact
-    def __call__(self, x_BTD, cos_BTK, sin_BTK, mask_BTS, cache, layer_idx, write_pos_BT):
+    def __call__(self, x_BTD, cos_BTK, sin_BTK, mask, cache, layer_idx, write_pos_BT):
         cfg = self.config
         D, H, K = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
         Dh, pd = cfg.head_dim, self.param_dtype
@@ -166,22 +182,22 @@ class Attention(nn.Module):
 
         if cache is not None:
             # Write this chunk's K/V into each row at its absolute positions (invalid tokens were
-            # given an out-of-range position and are dropped), then attend over the whole row.
+            # given an out-of-range position and are dropped), then attend over the live prefix
+            # of the row only: decode cost follows the live length, not max_len.
             B = x_BTD.shape[0]
             rows = jnp.arange(B)[:, None]
             ck, cv = cache
             ck = ck.at[layer_idx, rows, write_pos_BT].set(k.astype(ck.dtype), mode="drop")
             cv = cv.at[layer_idx, rows, write_pos_BT].set(v.astype(cv.dtype), mode="drop")
             cache = (ck, cv)
-            k, v = ck[layer_idx].astype(q.dtype), cv[layer_idx].astype(q.dtype)
+            live = mask[1].shape[1]
+            k = ck[layer_idx, :, :live].astype(q.dtype)
+            v = cv[layer_idx, :, :live].astype(q.dtype)
 
-        B, T = q.shape[:2]
-        q = q.reshape(B, T, K, H // K, Dh)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (Dh**-0.5)
-        scores = jnp.where(mask_BTS[:, None, None, :, :], scores, _NEG)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(B, T, H, Dh)
+        q_pos_BT, kv_valid_BS, kv_lengths_B = mask
+        out = attn_lib.attention(
+            q, k, v, q_pos_BT, kv_valid_BS, kv_lengths_B=kv_lengths_B, impl=self.impl
+        )
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
         return OutProjection(D, pd, name="o_proj")(out), cache
 
@@ -205,14 +221,15 @@ class DecoderLayer(nn.Module):
 
     config: ModelConfig
     param_dtype: Any
+    attention: str = "auto"
 
     @nn.compact
-    def __call__(self, carry, layer_idx, cos_BTK, sin_BTK, mask_BTS, write_pos_BT):
+    def __call__(self, carry, layer_idx, cos_BTK, sin_BTK, mask, write_pos_BT):
         cfg, pd = self.config, self.param_dtype
         h, cache = carry
         x = RMSNorm(cfg.rms_norm_eps, "embed", pd, name="input_norm")(h)
-        attn, cache = Attention(cfg, pd, name="attn")(
-            x, cos_BTK, sin_BTK, mask_BTS, cache, layer_idx, write_pos_BT
+        attn, cache = Attention(cfg, pd, self.attention, name="attn")(
+            x, cos_BTK, sin_BTK, mask, cache, layer_idx, write_pos_BT
         )
         h = constrain(h + attn, ("batch", "length", "embed"))
         x = RMSNorm(cfg.rms_norm_eps, "embed", pd, name="post_attention_norm")(h)
@@ -225,10 +242,11 @@ class Decoder(nn.Module):
 
     config: ModelConfig
     param_dtype: Any = jnp.float32
-    remat: bool = False  # recompute each layer's activations in the backward pass
+    remat: bool | str = False  # REMAT_POLICIES name (True: "layer"); see `hidden_states`
+    attention: str = "auto"  # a `models.attention.IMPLS` name
 
     @nn.compact
-    def __call__(self, ids_BT, positions_BT, mask_BTS, cache=None, write_pos_BT=None):
+    def __call__(self, ids_BT, positions_BT, mask, cache=None, write_pos_BT=None):
         cfg, pd = self.config, self.param_dtype
         embedding = Weight(
             (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), "embedding", pd, name="embed"
@@ -247,7 +265,16 @@ class Decoder(nn.Module):
                 sin.astype(h.dtype).astype(jnp.float32),
             )
 
-        layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if self.remat else DecoderLayer
+        layer_cls = DecoderLayer
+        remat = _remat_name(self.remat)
+        if remat == "layer":
+            layer_cls = nn.remat(DecoderLayer, prevent_cse=False)
+        elif remat == "dots":
+            layer_cls = nn.remat(
+                DecoderLayer,
+                prevent_cse=False,
+                policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            )
         layers = nn.scan(
             layer_cls,
             variable_axes={"params": 0},
@@ -255,9 +282,9 @@ class Decoder(nn.Module):
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_hidden_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg, pd, name="layers")
+        )(cfg, pd, self.attention, name="layers")
         (h, cache), _ = layers(
-            (h, cache), jnp.arange(cfg.num_hidden_layers), cos, sin, mask_BTS, write_pos_BT
+            (h, cache), jnp.arange(cfg.num_hidden_layers), cos, sin, mask, write_pos_BT
         )
         h = RMSNorm(cfg.rms_norm_eps, "embed", pd, name="final_norm")(h)
         if not cfg.tie_word_embeddings:  # created here, applied by `forward` (see `unembed`)
@@ -267,9 +294,18 @@ class Decoder(nn.Module):
         return h, cache
 
 
+def _self_mask(attention_mask_BT, right_padded: bool = False):
+    """The attention mask spec of a causal forward over (padded) rows: query t sees key s <= t
+    that is not padding."""
+    B, T = attention_mask_BT.shape
+    valid = attention_mask_BT > 0
+    lengths = jnp.sum(valid, axis=-1, dtype=jnp.int32) if right_padded else None
+    return (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), valid, lengths)
+
+
 def _boxed_shapes(config: ModelConfig, dtype) -> Params:
     ids = jnp.zeros((1, 1), jnp.int32)
-    mask = jnp.ones((1, 1, 1), bool)
+    mask = _self_mask(jnp.ones((1, 1), jnp.int32))
     return jax.eval_shape(
         lambda: Decoder(config, dtype).init(jax.random.key(0), ids, ids, mask)["params"]
     )
@@ -321,7 +357,7 @@ def init_params(
       A plain nested dict of arrays.
     """
     ids = jnp.zeros((1, 1), jnp.int32)
-    mask = jnp.ones((1, 1, 1), bool)
+    mask = _self_mask(jnp.ones((1, 1), jnp.int32))
 
     def init(key):
         boxed = Decoder(config, dtype).init(key, ids, ids, mask)["params"]
@@ -333,11 +369,19 @@ def init_params(
 
 
 def _apply(
-    config, params, ids_BT, positions_BT, mask_BTS, cache=None, write_pos_BT=None, remat=False
+    config,
+    params,
+    ids_BT,
+    positions_BT,
+    mask,
+    cache=None,
+    write_pos_BT=None,
+    remat=False,
+    attention="auto",
 ):
     dtype = params["embed"]["embedding"].dtype
-    return Decoder(config, dtype, remat).apply(
-        {"params": params}, ids_BT, positions_BT, mask_BTS, cache, write_pos_BT
+    return Decoder(config, dtype, remat, attention).apply(
+        {"params": params}, ids_BT, positions_BT, mask, cache, write_pos_BT
     )
 
 
@@ -353,7 +397,9 @@ def hidden_states(
     *,
     attention_mask=None,
     positions=None,
-    remat: bool = False,
+    remat: bool | str = False,
+    attention: str = "auto",
+    right_padded: bool = False,
 ) -> jax.Array:
     """Hidden states after the final norm, h_BTD in the compute dtype (= the params' dtype).
 
@@ -366,7 +412,11 @@ def hidden_states(
       input_ids_BT: int token ids [B, T].
       attention_mask: [B, T], 1 for real tokens, 0 for padding (default all ones).
       positions: [B, T] rotary positions (default cumsum(attention_mask) - 1).
-      remat: rematerialise each layer in the backward pass (less memory, more compute).
+      remat: rematerialise each layer in the backward pass (less memory, more compute):
+        False / "none", True / "layer" (keep only each layer's input), "dots" (keep the matmul
+        outputs, recompute the elementwise ops).
+      attention: the attention implementation (`models.attention.IMPLS`; "auto" by platform).
+      right_padded: every row's real tokens come first (lets "auto" use cuDNN on GPU).
 
     Returns:
       h_BTD with logits = h_BTD @ unembed(config, params).
@@ -376,9 +426,8 @@ def hidden_states(
         attention_mask = jnp.ones((B, T), jnp.int32)
     if positions is None:
         positions = default_positions(attention_mask)
-    causal_TT = jnp.tril(jnp.ones((T, T), bool))
-    mask_BTS = causal_TT[None] & (attention_mask[:, None, :] > 0)
-    h, _ = _apply(config, params, input_ids_BT, positions, mask_BTS, remat=remat)
+    mask = _self_mask(attention_mask, right_padded)
+    h, _ = _apply(config, params, input_ids_BT, positions, mask, remat=remat, attention=attention)
     return h
 
 
@@ -403,6 +452,7 @@ def forward(
     attention_mask=None,
     positions=None,
     remat: bool = False,
+    attention: str = "auto",
 ) -> jax.Array:
     """Logits of a (possibly left-padded) batch.
 
@@ -413,6 +463,7 @@ def forward(
       attention_mask: [B, T], 1 for real tokens, 0 for padding (default all ones).
       positions: [B, T] rotary positions (default cumsum(attention_mask) - 1).
       remat: rematerialise each layer in the backward pass (less memory, more compute).
+      attention: the attention implementation (`models.attention.IMPLS`; "auto" by platform).
 
     Returns:
       logits_BTV in float32 (rows at padding positions are meaningless but finite).
@@ -424,6 +475,7 @@ def forward(
         attention_mask=attention_mask,
         positions=positions,
         remat=remat,
+        attention=attention,
     )
     return _logits(config, params, h)
 
@@ -437,6 +489,8 @@ def forward_cached(
     *,
     valid_BT=None,
     logits_at_B=None,
+    attend_len: int | None = None,
+    attention: str = "auto",
 ) -> tuple[jax.Array, KVCache]:
     """Runs a chunk of tokens per row against the KV cache and writes their K/V into it.
 
@@ -444,6 +498,9 @@ def forward_cached(
     cache position positions_BT[b, t] (unless valid_BT[b, t] == 0, then nothing is written) and
     attends to cache entries s <= positions_BT[b, t] of row b, including the tokens of this chunk.
     Positions of the valid tokens of a row must be distinct and < cache.max_len.
+
+    Only the first `attend_len` positions of each row are read: a decode step's cost follows the
+    live length (the engine passes a bucket above the longest live row), not max_len.
 
     Args:
       config: the architecture.
@@ -455,6 +512,9 @@ def forward_cached(
       logits_at_B: when given, only the logits of chunk index logits_at_B[b] of each row are
         computed (a prefill needs only its last token's; with a large vocabulary the others'
         unembedding is much of the prefill's arithmetic).
+      attend_len: static; positions >= attend_len are not attended (default: cache.max_len).
+        Every valid token's position must be < attend_len.
+      attention: the attention implementation (`models.attention.IMPLS`).
 
     Returns:
       (logits float32, the updated cache): logits_BTV, or logits_BV with `logits_at_B`.
@@ -465,9 +525,18 @@ def forward_cached(
     if valid_BT is None:
         valid_BT = jnp.ones((B, T), bool)
     write_pos = jnp.where(valid_BT > 0, positions_BT, S)  # S is out of range: dropped
-    mask_BTS = jnp.arange(S)[None, None, :] <= positions_BT[:, :, None]
+    live = S if attend_len is None else min(int(attend_len), S)
+    # Every written position of the live prefix is a real token: only the causal bound masks.
+    mask = (positions_BT, jnp.ones((B, live), bool), None)
     h, (k, v) = _apply(
-        config, params, tokens_BT, positions_BT, mask_BTS, (cache.k, cache.v), write_pos
+        config,
+        params,
+        tokens_BT,
+        positions_BT,
+        mask,
+        (cache.k, cache.v),
+        write_pos,
+        attention=attention,
     )
     if logits_at_B is not None:
         h_B1D = jnp.take_along_axis(h, logits_at_B[:, None, None].astype(jnp.int32), axis=1)

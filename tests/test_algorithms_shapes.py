@@ -203,23 +203,23 @@ LOGPROB_CASES = [
     (
         "logprobs_float_targets",
         lambda: token_logprobs(LOGITS, TARGETS.astype(np.float32), M),
-        r"token_logprobs: targets_BT has dtype float32, expected an integer dtype \(token ids\)",
+        r"target_logprobs: targets_BT has dtype float32, expected an integer dtype \(token ids\)",
     ),
     (
         "logprobs_targets_short",
         lambda: token_logprobs(LOGITS, TARGETS[:, :-1], M),
-        rf"token_logprobs: targets_BT has shape {sh(B, T - 1)}, expected {sh(B, T)} "
+        rf"target_logprobs: targets_BT has shape {sh(B, T - 1)}, expected {sh(B, T)} "
         r"\(the leading \[B, T\] of logits_BTV",
     ),
     (
         "logprobs_mask",
         lambda: token_logprobs(LOGITS, TARGETS, M[:, :1]),
-        rf"token_logprobs: loss_mask_BT has shape {sh(B, 1)}, expected {sh(B, T)}",
+        rf"target_logprobs: loss_mask_BT has shape {sh(B, 1)}, expected {sh(B, T)}",
     ),
     (
         "logprobs_2d_logits",
         lambda: token_logprobs(LOGITS[:, 0], TARGETS, M),
-        rf"token_logprobs: logits_BTV has shape {sh(B, V)}, expected \[B, T, V\]",
+        rf"target_logprobs: logits_BTV has shape {sh(B, V)}, expected \[B, T, V\]",
     ),
     (
         "entropy_mask",

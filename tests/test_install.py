@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # jaxrl_tools.*); their own top-level names count as first-party too.
 SOURCE_DIRS = ("jaxrl_tools", "models", "sharding", "tools")
 FIRST_PARTY = set(SOURCE_DIRS)
-SERVE_ONLY = {"jetstream"}  # may come from the [serve] extra instead of the core dependencies
+# Modules that may come from an extra instead of the core dependencies (imported lazily).
+EXTRA_ONLY = {"jetstream": "serve", "torch": "repro"}
 HEAVY = ("jetstream", "tensorflow", "seqio")  # what the training path must not import
 # Distributions the core install must not pull in, even transitively: TensorFlow (~2 GB, via
 # JetStream's seqio) and torch (test-only; it also drags in jinja2 and so hides its absence).
@@ -97,18 +98,19 @@ def _third_party_imports() -> list[tuple[str, str]]:
 def test_every_third_party_import_is_a_declared_dependency():
     project = _pyproject()
     core = _declared(project["dependencies"])
-    serve = _declared(project.get("optional-dependencies", {}).get("serve", []))
+    extras = project.get("optional-dependencies", {})
     dists = metadata.packages_distributions()
     found = _third_party_imports()
     assert found, "no third-party imports found: is SOURCE_DIRS still right?"
     problems = []
     for mod, where in found:
         provided_by = {_norm(d) for d in dists.get(mod, [])}
-        allowed = core | serve if mod in SERVE_ONLY else core
+        extra = EXTRA_ONLY.get(mod)
+        allowed = core | _declared(extras.get(extra, [])) if extra else core
         if not provided_by:
             problems.append(f"{where}: `import {mod}`: no installed distribution provides it")
         elif not provided_by & allowed:
-            where_to = "[project] dependencies" + (" or [serve]" if mod in SERVE_ONLY else "")
+            where_to = "[project] dependencies" + (f" or [{extra}]" if extra else "")
             problems.append(
                 f"{where}: `import {mod}` comes from {sorted(provided_by)}, "
                 f"not declared in {where_to}"

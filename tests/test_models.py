@@ -431,3 +431,27 @@ def test_remat_gradients_match_finite_differences(loaded):
     numeric = (f(shifted(1), False) - f(shifted(-1), False)) / (2 * eps)
     exact = sum(float((x**2).sum()) for x in jax.tree.leaves(g))
     assert abs(float(numeric) - exact) <= 2e-2 * exact
+
+
+def test_remat_policies_give_the_gradient_without_remat(loaded):
+    # "dots" keeps the matmul outputs and recomputes the rest: the same gradient ("layer", which
+    # recomputes everything, is checked against finite differences above).
+    _, _, config, params = loaded("qwen3-4:2-tied")
+    _, ids, mask = _left_padded(LENGTHS, T)
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+
+    def loss(p, remat):
+        logits = M.forward(config, p, ids, attention_mask=mask, remat=remat)
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        nll = -jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
+        return (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    plain = grad(params, "none")
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        grad(params, "dots"),
+        plain,
+    )
+    with pytest.raises(ValueError, match="remat='all' is not one of"):
+        grad(params, "all")

@@ -218,6 +218,46 @@ def test_write_slots_errors_name_the_slot(jet_model):
     assert next_pow2(17, 16) == 32 and next_pow2(3, 16) == 16
 
 
+def test_live_length_decode_equals_whole_row_decode_token_for_token(jet_model):
+    # The same rollout on an engine whose steps read whole max_len rows (the engine before
+    # live-length attention) and on the default one, which reads a power-of-two bucket above the
+    # longest live row: sampled tokens identical, log-probs and pending logits equal to 1e-5,
+    # across bucket boundaries (16 -> 32 -> 64), an appended observation and a paused slot.
+    _, config, params = jet_model
+    sp = SamplingParams(temperature=1.0)
+    runs = []
+    for live in (True, False):
+        eng = EngineCore(
+            config, params, slots=4, max_len=128, max_prefill_length=16, live_attention=live
+        )
+        state = eng.init_decode_state()
+        state = eng.write_slots(
+            params,
+            state,
+            [0, 2, 3],
+            PROMPTS,
+            starts=[0, 0, 0],
+            reset=[(jax.random.PRNGKey(i), sp) for i in range(3)],
+        )
+        outs = []
+        for k in range(5):
+            active = np.array([1, 0, 1, k != 1], bool)  # slot 3 paused once
+            state, out = eng.generate_steps(params, state, 8, active=active)
+            outs.append(out)
+            if k == 2:
+                n = int(state.lengths[2])
+                state = eng.append(params, state, 2, [8, 9, 10, 11, 12], start=n, sampled=n)
+        tokens = np.concatenate([np.asarray(o.tokens) for o in outs], axis=1)
+        logps = np.concatenate([np.asarray(o.logprobs) for o in outs], axis=1)
+        runs.append((tokens, logps, np.asarray(state.logits), np.asarray(state.lengths)))
+    (tok_live, lp_live, logits_live, len_live), (tok_full, lp_full, logits_full, len_full) = runs
+    assert int(len_live.max()) > 32  # the last steps read the 64 bucket, the first ones 16
+    np.testing.assert_array_equal(tok_live, tok_full)
+    np.testing.assert_array_equal(len_live, len_full)
+    np.testing.assert_allclose(lp_live, lp_full, atol=1e-5)
+    np.testing.assert_allclose(logits_live, logits_full, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def jet_model(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("jet"), "qwen2", eos=None, seed=1)

@@ -11,6 +11,7 @@ from fakes import VOCAB, fixed_trajectories, tiny_model_config
 
 from jaxrl_tools import models, run
 from jaxrl_tools.config_loader import config_from_dict
+from jaxrl_tools.train import objectives
 from jaxrl_tools.train.batch import make_batch, pack_trajectories
 from jaxrl_tools.types import Batch
 
@@ -129,6 +130,20 @@ def test_micro_batching_matches_full_batch():
         full.params,
         micro.params,
     )
+
+
+def test_logprob_forward_runs_in_micro_batches_equal_to_one_batch():
+    # Old / reference log-probs (and values) run micro-batch by micro-batch, like the update.
+    trajs = fixed_trajectories()
+    cfg = run_config()
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, micro_batch_size=2))
+    trainer = make_trainer(cfg, trajs)
+    batch = {k: jnp.asarray(v) for k, v in pack_trajectories(trajs, pad_id=0, rows=8).items()}
+    logp_micro, ent_micro = trainer._logprobs(trainer.params, batch)
+    one_batch = jax.jit(objectives.sequence_logprobs, static_argnums=(0, 1, 2))
+    logp, ent = one_batch(trainer.model_cfg, 1.0, False, trainer.params, batch)
+    np.testing.assert_allclose(logp_micro, logp, atol=1e-6)
+    np.testing.assert_allclose(ent_micro, ent, atol=1e-6)
 
 
 def ppo_config(**critic):

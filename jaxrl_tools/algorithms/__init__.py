@@ -1,13 +1,15 @@
 """RL losses, advantage estimators, token log-probs and batch filters (pure jnp; filters NumPy).
 
 Public API:
-  log-probs   token_logprobs, token_entropy, chunked_token_logprobs,
-              chunked_token_logprobs_and_entropy
+  log-probs   target_logprobs (alias token_logprobs: targets aligned by the caller; the
+              sequence convention is train.policy.token_logprobs), token_entropy,
+              chunked_token_logprobs, chunked_token_logprobs_and_entropy
   advantages  AdvantageInputs, AdvantageConfig, compute_advantages, register_advantage_estimator,
               get_advantage_estimator, list_advantage_estimators, estimator_requirements,
+              contiguous_groups (verl uid -> contiguous rows),
               needs_critic, list_critic_estimators, discounted_returns, gae_advantages, gae_step,
               last_token_onehot
-  aggregation LossTerms, aggregate, loss_denominator, LOSS_AGG_MODES
+  aggregation LossTerms, aggregate, loss_denominator, verl_loss_denominator, LOSS_AGG_MODES
   losses      ppo_clip_loss, value_loss, entropy_loss, kl_loss, log_ratio
   objective   PolicyLossConfig, policy_loss, POLICY_LOSSES, policy_loss_ratio_type
   kl          kl_penalty, apply_kl_penalty, KL_TYPES
@@ -30,6 +32,7 @@ from jaxrl_tools.algorithms.advantages import (
     AdvantageConfig,
     AdvantageInputs,
     compute_advantages,
+    contiguous_groups,
     discounted_returns,
     last_token_onehot,
 )
@@ -38,6 +41,7 @@ from jaxrl_tools.algorithms.aggregation import (
     LossTerms,
     aggregate,
     loss_denominator,
+    verl_loss_denominator,
 )
 from jaxrl_tools.algorithms.critic import gae_advantages, gae_step
 from jaxrl_tools.algorithms.filters import (
@@ -49,6 +53,7 @@ from jaxrl_tools.algorithms.kl import KL_TYPES, apply_kl_penalty, kl_penalty
 from jaxrl_tools.algorithms.logprobs import (
     chunked_token_logprobs,
     chunked_token_logprobs_and_entropy,
+    target_logprobs,
     token_entropy,
     token_logprobs,
 )
@@ -91,6 +96,7 @@ __all__ = [
     "chunked_token_logprobs",
     "chunked_token_logprobs_and_entropy",
     "compute_advantages",
+    "contiguous_groups",
     "discounted_returns",
     "dynamic_sampling_filter",
     "entropy_loss",
@@ -117,7 +123,9 @@ __all__ = [
     "ppo_clip_loss",
     "register_advantage_estimator",
     "starpo_s_filter",
+    "target_logprobs",
     "token_entropy",
     "token_logprobs",
     "value_loss",
+    "verl_loss_denominator",
 ]

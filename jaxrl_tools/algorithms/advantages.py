@@ -19,7 +19,9 @@ every ``_BT`` field must be exactly ``loss_mask_BT``'s [B, T], every ``_B`` fiel
 
 Group layout: rows are responses, ``B = num_groups * G`` with ``G = config.group_size``, and the
 G responses of one prompt are contiguous: row ``i`` belongs to group ``i // G``. For the
-estimators that use groups, a group size that does not divide B is a ValueError at trace time.
+estimators that use groups, a group size that is unset or does not divide B is a ValueError at
+trace time. Rows grouped by an id instead (verl's ``uid``): ``contiguous_groups(uid)`` gives the
+row order that makes the groups contiguous, and G.
 
 Estimators (formulas in docs/METHODS.md), by module:
   outcome.py   grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, remax
@@ -33,6 +35,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl_tools.algorithms._checks import (
     check_int,
@@ -100,7 +103,9 @@ class AdvantageConfig:
     """Static settings shared by the estimators (hashable: pass as a static jit argument).
 
     Attributes:
-      group_size: G, responses per prompt (contiguous rows).
+      group_size: G, responses per prompt (contiguous rows). No default: the group estimators
+        (grpo, drgrpo, rloo, reinforce_pp_baseline, gigpo) raise while it is None, rather than
+        treat every response as its own group and return raw scores.
       norm_by_std: grpo/gigpo divide by the group std (False = Dr. GRPO style mean-centering).
       eps: added to the group std (1e-6).
       gamma: token-level discount (reinforce_pp, remax, gae, vapo).
@@ -113,7 +118,7 @@ class AdvantageConfig:
       gigpo_omega: ω weighting the step-level advantage.
     """
 
-    group_size: int = 1
+    group_size: int | None = None
     norm_by_std: bool = True
     eps: float = 1e-6
     gamma: float = 1.0
@@ -126,7 +131,9 @@ class AdvantageConfig:
     gigpo_omega: float = 1.0
 
     def __post_init__(self):
-        if not isinstance(self.group_size, int) or self.group_size < 1:
+        if self.group_size is not None and (
+            not isinstance(self.group_size, int) or self.group_size < 1
+        ):
             raise ValueError(
                 f"AdvantageConfig.group_size must be an int >= 1, got {self.group_size!r}"
             )
@@ -202,10 +209,17 @@ def compute_advantages(
 # -------------------------------------------------------------------------------- helpers
 
 
-def group_rows(x_B: jax.Array, group_size: int, estimator: str) -> jax.Array:
-    """[B] -> [B // G, G] float32; a group size that does not divide B is a ValueError."""
+def group_rows(x_B: jax.Array, group_size: int | None, estimator: str) -> jax.Array:
+    """[B] -> [B // G, G] float32; a group size that is None or does not divide B is a
+    ValueError."""
     check_ndim(f"advantage estimator {estimator!r}", "x_B", x_B, "[B]")
     B = shape_of(x_B)[0]
+    if group_size is None:
+        raise ValueError(
+            f"advantage estimator {estimator!r} compares each response with the others of its "
+            "prompt: set AdvantageConfig.group_size to G, the responses per prompt (rows grouped "
+            "by an id: contiguous_groups(ids) gives the row order and G)"
+        )
     if B % group_size:
         raise ValueError(
             f"advantage estimator {estimator!r}: batch size {B} is not a multiple "
@@ -213,6 +227,34 @@ def group_rows(x_B: jax.Array, group_size: int, estimator: str) -> jax.Array:
             f"contiguous)"
         )
     return x_B.astype(f32).reshape(B // group_size, group_size)
+
+
+def contiguous_groups(group_ids) -> tuple[np.ndarray, int]:
+    """The row order that makes groups contiguous, and G, from one group id per row.
+
+    verl groups responses by a ``uid`` per row, in any order; the estimators here want the G
+    rows of a group next to each other. Groups keep the order of their first row and rows their
+    order within a group, so ids that are already contiguous give the identity.
+
+    Args:
+      group_ids: [B] ids (strings or ints), equal for the responses to one prompt.
+    Returns:
+      (order_B, G): ``x[order_B]`` has contiguous groups; ``np.argsort(order_B)`` undoes it.
+    Raises:
+      ValueError: groups of different sizes (the estimators need one G).
+    """
+    ids = list(np.asarray(group_ids).reshape(-1).tolist())
+    rows: dict = {}
+    for i, g in enumerate(ids):
+        rows.setdefault(g, []).append(i)
+    sizes = sorted({len(r) for r in rows.values()})
+    if len(sizes) > 1:
+        raise ValueError(
+            f"group ids give groups of sizes {sizes}; the group estimators need every prompt "
+            "to have the same number of responses (drop or pad the short groups)"
+        )
+    order = np.asarray([i for r in rows.values() for i in r], np.int64)
+    return order, (sizes[0] if sizes else 1)
 
 
 def group_mean_std(s_NG: jax.Array) -> tuple[jax.Array, jax.Array]:

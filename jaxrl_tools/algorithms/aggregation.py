@@ -48,7 +48,11 @@ LOSS_AGG_MODES = (
 
 
 class LossTerms(NamedTuple):
-    """A loss as a micro-batch sum and the denominator it is to be divided by."""
+    """A loss as a micro-batch sum and the denominator it is to be divided by.
+
+    Differentiate ``loss`` (= total / denominator, the objective). ``total`` is the raw sum,
+    for accumulating micro-batches only: its gradient is ``denominator`` times too large.
+    """
 
     total: jax.Array
     denominator: jax.Array
@@ -56,6 +60,7 @@ class LossTerms(NamedTuple):
 
     @property
     def loss(self) -> jax.Array:
+        """The scalar to differentiate: total / max(denominator, 1)."""
         return self.total / jnp.maximum(self.denominator, 1.0)
 
 
@@ -97,6 +102,32 @@ def loss_denominator(
     if mode == "seq-mean-token-sum-norm":
         return n_seq * float(max_len)
     return n_seq
+
+
+def verl_loss_denominator(
+    loss_mask_BT: jax.Array, mode: str = "token-mean", max_len: int | None = None
+) -> jax.Array:
+    """The denominator verl's ``agg_loss`` divides by, on one rank with one micro-batch.
+
+    Pass it as ``denominator=`` to reproduce verl's loss. It differs from ``loss_denominator``
+    in two places: the seq-mean modes count every row (torch.mean over rows, empty ones too), and
+    seq-mean-token-sum-norm divides by L_max alone (verl's ``loss_mask.shape[-1]``, the response
+    width), leaving the number of sequences to data-parallel and accumulation averaging.
+
+    Args:
+      loss_mask_BT: [B, T] 1 on model tokens.
+      mode: one of LOSS_AGG_MODES.
+      max_len: L_max for seq-mean-token-sum-norm (verl: the response width).
+    Returns:
+      float32 scalar.
+    """
+    check_mode(mode, max_len)
+    check_ndim("verl_loss_denominator", "loss_mask_BT", loss_mask_BT, "[B, T]")
+    if mode == "token-mean":
+        return jnp.sum(jnp.asarray(loss_mask_BT > 0, f32))
+    if mode == "seq-mean-token-sum-norm":
+        return jnp.asarray(float(max_len), f32)
+    return jnp.asarray(float(loss_mask_BT.shape[0]), f32)
 
 
 def aggregate(

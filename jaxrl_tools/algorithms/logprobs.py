@@ -1,9 +1,14 @@
 """Per-token log-probabilities and entropies, plain and memory-efficient (chunked).
 
-Alignment: ``targets_BT[b, t]`` is the token whose log-prob is read from ``logits_BTV[b, t]``
-(the caller shifts: logits at position t predict token t+1). ``loss_mask_BT`` is 1 on model
-tokens; results are exactly 0 at masked positions, and so is their gradient. ``targets_BT``
-must be integer token ids and ``loss_mask_BT`` exactly the logits' [B, T] (else a ValueError).
+Alignment (the kernels here): ``targets_BT[b, t]`` is the token whose log-prob is read from
+``logits_BTV[b, t]``; nothing is shifted, so a caller holding a sequence's logits passes
+``logits[:, :-1]`` and ``tokens[:, 1:]``. The library's one convention for the log-probs *of a
+sequence* is the trainer's, ``jaxrl_tools.train.policy.token_logprobs``: aligned to the token
+scored, ``logp[b, t] = log π(tokens[b, t] | tokens[b, <t])``, column 0 = 0; it does the shift
+and calls ``target_logprobs``. ``token_logprobs`` here is an alias of ``target_logprobs``.
+``loss_mask_BT`` is 1 on model tokens; results are exactly 0 at masked positions, and so is
+their gradient. ``targets_BT`` must be integer token ids and ``loss_mask_BT`` exactly the
+logits' [B, T] (else a ValueError).
 
 The chunked variant takes the final hidden states ``h_BTD`` and the LM head ``W_DV``
 (logits = h @ W, see ``jaxrl_tools.models.hidden_states`` / ``unembed``) and walks the sequence
@@ -48,26 +53,33 @@ def _logp_entropy_from_logits(logits_BTV, targets_BT, temperature):
     return tgt - lse, entropy
 
 
-def token_logprobs(
+def target_logprobs(
     logits_BTV: jax.Array,
     targets_BT: jax.Array,
     loss_mask_BT: jax.Array,
     *,
     temperature: float = 1.0,
 ) -> jax.Array:
-    """log softmax(logits / temperature)[target] per token, float32, 0 where loss_mask is 0.
+    """log softmax(logits / temperature)[target] at the same position, float32, 0 where
+    loss_mask is 0 (no shift: see the module doc).
 
     Args:
       logits_BTV: [B, T, V] logits (any float dtype; cast to float32).
-      targets_BT: [B, T] int token ids aligned with the logits.
+      targets_BT: [B, T] int token ids, ``targets_BT[b, t]`` scored by ``logits_BTV[b, t]``.
       loss_mask_BT: [B, T] 1 on model tokens.
       temperature: sampling temperature the behaviour policy used.
     Returns:
       logp_BT: [B, T] float32.
     """
-    _check_inputs("token_logprobs", "logits_BTV", logits_BTV, "[B, T, V]", targets_BT, loss_mask_BT)
+    _check_inputs(
+        "target_logprobs", "logits_BTV", logits_BTV, "[B, T, V]", targets_BT, loss_mask_BT
+    )
     logp, _ = _logp_entropy_from_logits(logits_BTV, targets_BT, temperature)
     return jnp.where(loss_mask_BT > 0, logp, 0.0)
+
+
+# The older name: the same function (targets already shifted by the caller).
+token_logprobs = target_logprobs
 
 
 def token_entropy(

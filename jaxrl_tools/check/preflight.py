@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxrl_tools import models, tools
 from jaxrl_tools.check.inputs import (
@@ -29,6 +30,7 @@ from jaxrl_tools.check.setup import (
     tools_schema,
 )
 from jaxrl_tools.config import ConfigError, RunConfig
+from jaxrl_tools.rollout.kernels import next_pow2
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,21 @@ def _count(n: float) -> str:
     return str(int(n))
 
 
+def _dtype_words(cfg: RunConfig) -> str:
+    d = cfg.model.dtypes
+    return d.compute if not d.mixed else f"{d.compute} compute, {d.param} master weights"
+
+
+def _cache_words(cfg: RunConfig, m: models.ModelConfig) -> str:
+    """The decode engine's KV cache and its size (as `make_engine` builds it)."""
+    r, dtype = cfg.rollout, cfg.model.dtypes.cache_dtype
+    max_len = next_pow2(r.max_prompt_len, 16) + r.max_response_len
+    size = models.cache_bytes(m, r.slots, max_len, dtype)
+    return (
+        f"KV cache {r.slots} x {max_len} positions {jnp.dtype(dtype).name} = {size / 2**30:.3g} GiB"
+    )
+
+
 def _model_line(cfg: RunConfig, m: models.ModelConfig) -> str:
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(models.param_shapes(m)))
     what = (
@@ -53,7 +70,7 @@ def _model_line(cfg: RunConfig, m: models.ModelConfig) -> str:
     return (
         f"{what}: {m.num_hidden_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads}"
         f"/{m.num_key_value_heads} heads, vocab {m.vocab_size}, {_count(n)} params, "
-        f"{cfg.model.dtype}{', remat' if cfg.model.remat else ''}, "
+        f"{_dtype_words(cfg)}{', remat' if cfg.model.remat else ''}, "
         f"{m.max_position_embeddings} positions"
     )
 
@@ -165,7 +182,7 @@ def preflight(cfg: RunConfig, *, needs_eval: bool = False) -> dict[str, Any]:
         + f"; lr {o.lr:g} {o.schedule}, warm-up {o.warmup_steps}",
         "rollout": f"protocol {r.protocol}, prompts <= {r.max_prompt_len} tokens, responses <= "
         f"{r.max_response_len}, temperature {r.temperature:g}, <= {r.max_tool_calls} tool "
-        f"calls, {r.slots} slots",
+        f"calls, {r.slots} slots, {_cache_words(cfg, model_cfg)}",
         "tools": "; ".join(_tool_line(tool) for tool in built) or "none",
         "rewards": ", ".join(
             f"{x.name} x {x.weight:g}" + (f" {dict(x.kwargs)}" if x.kwargs else "")

@@ -10,6 +10,7 @@ compiles a handful of shapes. The state and kernels are in `rollout.kernels`.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +34,13 @@ from jaxrl_tools.rollout.kernels import (
 )
 from jaxrl_tools.rollout.sampling import SamplingParams
 
+log = logging.getLogger(__name__)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast_jit(params, dtype: str):
+    return models.cast_floating(params, dtype)
+
 
 class EngineCore:
     """The decode engine without the JetStream base class (no TensorFlow import).
@@ -49,13 +57,20 @@ class EngineCore:
       max_prefill_length: longest prefill bucket; a power of two >= 16 (JetStream's buckets).
       tokenizer: an HF tokenizer (for the JetStream tokenizer hooks and the rollout loop).
       mesh, rules: shard the cache (and loaded params) on this mesh by logical axes.
-      dtype: parameter dtype for `load_params`; cache_dtype: KV cache dtype.
+      dtype: the serving dtype: params handed to any method are cast to it once per new params
+        object (the bf16 rollout copy of fp32 master weights), and `load_params` loads in it.
+        None: params are used as given (float32 for `load_params`).
+      cache_dtype: KV cache dtype (None: `dtype`, else float32). Its size is logged at start
+        (`cache_bytes`).
       sampling: default SamplingParams of a prefill that passes none.
       seed: base seed for prefills that pass no key (folded with a request counter).
       steps_per_generate: tokens per slot per Engine API `generate` call.
       logits_hook: optional jittable f(logits_BV, sampled_B, hook_data) -> logits_BV applied
         before sampling (see LogitsHook); hook_data: its data (a pytree of arrays, traced).
       eos_token_ids: ids that end a sequence (default: the config's and the tokenizer's EOS).
+      live_attention: decode and append steps attend only over the live part of the cache (a
+        power-of-two bucket above the longest active row), so a step's cost follows the live
+        length, not max_len. False: every step reads whole rows (the old engine; benchmarks).
     """
 
     def __init__(
@@ -70,14 +85,15 @@ class EngineCore:
         tokenizer: Any = None,
         mesh: jax.sharding.Mesh | None = None,
         rules: Any = None,
-        dtype: Any = jnp.float32,
-        cache_dtype: Any = jnp.float32,
+        dtype: Any = None,
+        cache_dtype: Any = None,
         sampling: SamplingParams | None = None,
         seed: int = 0,
         steps_per_generate: int = 1,
         logits_hook: LogitsHook | None = None,
         hook_data: Any = None,
         eos_token_ids: Sequence[int] | None = None,
+        live_attention: bool = True,
     ):
         if max_prefill_length < 16 or max_prefill_length & (max_prefill_length - 1):
             raise ValueError(
@@ -94,8 +110,12 @@ class EngineCore:
         self.tokenizer = tokenizer
         self._mesh = mesh
         self.rules = rules
-        self.dtype = dtype
-        self.cache_dtype = cache_dtype
+        self.dtype = None if dtype is None else jnp.dtype(dtype)
+        self.cache_dtype = jnp.dtype(
+            cache_dtype if cache_dtype is not None else (dtype if dtype is not None else "float32")
+        )
+        self.live_attention = bool(live_attention)
+        self._served: tuple[Any, Any] | None = None  # (params given, their serving copy)
         self.default_sampling = sampling or SamplingParams()
         self.seed = seed
         self.steps_per_generate = int(steps_per_generate)
@@ -106,6 +126,30 @@ class EngineCore:
         # Host mirror of which slots need the top-k/top-p sort (a static flag of the decode jit).
         self._slot_filter = [False] * self.slots
         self._build_jits()
+        log.info(
+            "KV cache: %d slots x %d positions, %s: %.3f GiB",
+            self.slots,
+            self.max_len,
+            self.cache_dtype.name,
+            self.cache_bytes / 2**30,
+        )
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the decode state's KV cache (all slots, all layers, keys and values)."""
+        return models.cache_bytes(self.config, self.slots, self.max_len, self.cache_dtype)
+
+    def serving_params(self, params: Params) -> Params:
+        """`params` in the serving dtype: cast (and kept) once per new params object, so the
+        rollout of an RL step casts the master weights once; the params themselves when their
+        dtype is already the serving one. The cast keeps each array's sharding."""
+        if self.dtype is None or params is None:
+            return params
+        if models.cast_floating(params, self.dtype) is params:  # nothing to cast (no copy)
+            return params
+        if self._served is None or self._served[0] is not params:
+            self._served = (params, _cast_jit(params, self.dtype.name))
+        return self._served[1]
 
     def _default_eos(self) -> list[int]:
         ids = []
@@ -122,7 +166,7 @@ class EngineCore:
         m = models
         config, params = m.from_pretrained(
             path,
-            dtype=kwargs.get("dtype", jnp.float32),
+            dtype=jnp.float32 if kwargs.get("dtype") is None else kwargs["dtype"],
             mesh=kwargs.get("mesh"),
             rules=kwargs.get("rules"),
         )
@@ -165,7 +209,10 @@ class EngineCore:
             if self.path is None:
                 raise ValueError("load_params: the engine was built without params or path")
             _, self.params = models.from_pretrained(
-                self.path, dtype=self.dtype, mesh=self._mesh, rules=self.rules
+                self.path,
+                dtype=jnp.float32 if self.dtype is None else self.dtype,
+                mesh=self._mesh,
+                rules=self.rules,
             )
         return self.params
 
@@ -220,7 +267,7 @@ class EngineCore:
         )
         self._insert_jit = insert_kernel
         self._write_jit = functools.partial(write_kernel, config=self.config)
-        self._generate_jit = lambda params, state, n, use_filter: generate_kernel(
+        self._generate_jit = lambda params, state, n, use_filter, attend_len: generate_kernel(
             params,
             state,
             self.hook_data,
@@ -229,7 +276,15 @@ class EngineCore:
             config=statics["config"],
             max_len=statics["max_len"],
             hook=statics["hook"],
+            attend_len=attend_len,
         )
+
+    def _attend_len(self, longest: int) -> int | None:
+        """The cache positions a step reads when no live row reaches `longest` tokens: a power
+        of two (>= 16, few compiles), at most max_len; None (whole rows) without live_attention."""
+        if not self.live_attention:
+            return None
+        return min(next_pow2(longest, 16), self.max_len)
 
     # ------------------------------------------------------------------ Engine API
     def prefill(
@@ -255,6 +310,7 @@ class EngineCore:
         Returns:
           A Prefix (one-row cache of a bucketed length, pending logits, key, sampling).
         """
+        params = self.serving_params(params)
         tokens = np.asarray(padded_tokens, np.int32).reshape(-1)[: int(true_length)]
         n = len(tokens)
         bucket = self.prefill_bucket(n)
@@ -333,7 +389,16 @@ class EngineCore:
             use_filter = any(f for f, a in zip(self._slot_filter, active) if a)
         else:
             use_filter = any(self._slot_filter)
-        return self._generate_jit(params, decode_state, n, use_filter)
+        attend_len = None
+        if self.live_attention:
+            # The lengths are read back (a few bytes; the caller reads this call's tokens anyway).
+            act = np.asarray(decode_state.active if active is None else active, bool)
+            lengths = np.asarray(decode_state.lengths)
+            longest = int(lengths[act].max()) if act.any() else 0
+            attend_len = self._attend_len(longest + n)
+        return self._generate_jit(
+            self.serving_params(params), decode_state, n, use_filter, attend_len
+        )
 
     # ------------------------------------------------------------------ host-side helpers
     def write_slots(
@@ -406,7 +471,7 @@ class EngineCore:
                 self._slot_filter[slots[i]] = sp.needs_filter
             rs = tuple(jnp.asarray(x) for x in (keys, temp, topk, topp))
         return self._write_jit(
-            params,
+            self.serving_params(params),
             decode_state,
             jnp.asarray(rows),
             jnp.asarray(toks),
@@ -414,6 +479,7 @@ class EngineCore:
             jnp.asarray(n_M),
             jnp.asarray(sm_M),
             rs,
+            attend_len=self._attend_len(int(np.max(st_M[:m] + n_M[:m]))),
         )
 
     def append(

@@ -144,12 +144,23 @@ def insert_kernel(prefix: Prefix, state: DecodeState, slot):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=("config", "attend_len"), donate_argnums=(1,))
 def write_kernel(
-    params, state: DecodeState, rows_M, tokens_MK, starts_M, n_M, sampled_M, reset, *, config
+    params,
+    state: DecodeState,
+    rows_M,
+    tokens_MK,
+    starts_M,
+    n_M,
+    sampled_M,
+    reset,
+    *,
+    config,
+    attend_len=None,
 ):
     # Runs each row's K tokens at positions starts..starts+K-1 (the first n are real) on a
     # gathered sub-cache of those rows and scatters it back; rows_M == B marks padding rows.
+    # Attention reads the first `attend_len` positions (> every real token's position).
     batch_axis = _batch_axis()
     K = tokens_MK.shape[1]
     sub = _take_rows(state.cache, rows_M, batch_axis)
@@ -163,6 +174,7 @@ def write_kernel(
         sub,
         valid_BT=valid_MK,
         logits_at_B=jnp.maximum(n_M - 1, 0),
+        attend_len=attend_len,
     )
     st = state.replace(
         cache=_put_rows(state.cache, sub, rows_M, batch_axis),
@@ -184,12 +196,24 @@ def write_kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("num_steps", "use_filter", "config", "max_len", "hook"),
+    static_argnames=("num_steps", "use_filter", "config", "max_len", "hook", "attend_len"),
     donate_argnums=(1,),
 )
 def generate_kernel(
-    params, state: DecodeState, hook_data, *, num_steps, use_filter, config, max_len, hook
+    params,
+    state: DecodeState,
+    hook_data,
+    *,
+    num_steps,
+    use_filter,
+    config,
+    max_len,
+    hook,
+    attend_len=None,
 ):
+    # Each step attends over the first `attend_len` cache positions only: the engine passes a
+    # power-of-two bucket above every active row's length after `num_steps` steps, so a step
+    # costs what the live part of the cache costs, not max_len (None: the whole row).
     def step(st: DecodeState, _):
         act_B = st.active & (st.lengths < max_len)
         keys_next, keys_use = split_keys(st.keys)
@@ -201,7 +225,13 @@ def generate_kernel(
         )
         # Inactive rows are not written (valid=0) and keep their length, logits and key.
         new_logits, cache = _fwd(
-            config, params, tok_B[:, None], st.lengths[:, None], st.cache, valid_BT=act_B[:, None]
+            config,
+            params,
+            tok_B[:, None],
+            st.lengths[:, None],
+            st.cache,
+            valid_BT=act_B[:, None],
+            attend_len=attend_len,
         )
         st = st.replace(
             cache=cache,

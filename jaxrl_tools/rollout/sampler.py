@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jaxrl_tools import prompts
+from jaxrl_tools import models, prompts
 from jaxrl_tools.config import RolloutSection
 from jaxrl_tools.rollout.engine import EngineCore
 from jaxrl_tools.rollout.kernels import next_pow2
@@ -22,10 +22,21 @@ def declares_tools(protocol: str) -> bool:
 
 
 def make_engine(
-    model_cfg, params, tokenizer: Tokenizer, rollout: RolloutSection, *, mesh=None, seed: int = 0
+    model_cfg,
+    params,
+    tokenizer: Tokenizer,
+    rollout: RolloutSection,
+    *,
+    mesh=None,
+    seed: int = 0,
+    dtypes: models.DTypePolicy | None = None,
 ) -> EngineCore:
-    """An engine whose slots hold a bucketed `max_prompt_len` prompt plus the response."""
+    """An engine whose slots hold a bucketed `max_prompt_len` prompt plus the response; with
+    `dtypes`, it serves the compute-dtype copy of the (master) params and caches in its dtype."""
     prefill = next_pow2(rollout.max_prompt_len, 16)
+    dtype_kwargs = {}
+    if dtypes is not None:
+        dtype_kwargs = dict(dtype=dtypes.compute_dtype, cache_dtype=dtypes.cache_dtype)
     return EngineCore(
         model_cfg,
         params,
@@ -35,6 +46,7 @@ def make_engine(
         tokenizer=tokenizer,
         mesh=mesh,
         seed=seed,
+        **dtype_kwargs,
     )
 
 

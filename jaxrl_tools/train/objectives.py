@@ -53,6 +53,8 @@ def sequence_logprobs(
     params,
     b: dict,
     entropy_grad: bool = False,
+    *,
+    attention: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """(log-probs, entropies) [B, T] of the tempered policy on packed sequences."""
     return policy.token_logprobs(
@@ -65,6 +67,7 @@ def sequence_logprobs(
         temperature=temperature,
         remat=remat,
         entropy_grad=entropy_grad,
+        attention=attention,
     )
 
 
@@ -77,10 +80,18 @@ def actor_loss(
     params,
     mb: dict,
     denom: jax.Array,
+    *,
+    attention: str = "auto",
 ) -> tuple[jax.Array, dict]:
     """The policy loss (PPO clip / GSPO, KL, entropy) plus VAPO's NLL on correct responses."""
     logp, ent = sequence_logprobs(
-        model_cfg, temperature, remat, params, mb, entropy_grad=pcfg.entropy_coef > 0
+        model_cfg,
+        temperature,
+        remat,
+        params,
+        mb,
+        entropy_grad=pcfg.entropy_coef > 0,
+        attention=attention,
     )
     # One update per rollout batch: the policy is still the behaviour one, and its own
     # log-probs (no gradient) are the old ones; this saves a forward pass.
@@ -116,19 +127,27 @@ def actor_denominator(pcfg: algorithms.PolicyLossConfig, batch_M: dict) -> jax.A
     return algorithms.loss_denominator(mask, pcfg.loss_agg_mode, pcfg.max_len)
 
 
-def token_values(model_cfg: models.ModelConfig, critic_params, b: dict) -> jax.Array:
+def token_values(
+    model_cfg: models.ModelConfig, critic_params, b: dict, *, attention: str = "auto"
+) -> jax.Array:
     """The critic's value of every token [B, T]."""
     return policy.token_values(
-        model_cfg, critic_params, b["tokens"], b["positions"], b["attention"]
+        model_cfg, critic_params, b["tokens"], b["positions"], b["attention"], attention=attention
     )
 
 
 def critic_loss(
-    model_cfg: models.ModelConfig, clip_eps: float, critic_params, mb: dict, denom: jax.Array
+    model_cfg: models.ModelConfig,
+    clip_eps: float,
+    critic_params,
+    mb: dict,
+    denom: jax.Array,
+    *,
+    attention: str = "auto",
 ) -> tuple[jax.Array, dict]:
     """The clipped value loss on response tokens (token-mean over the mini-batch)."""
     terms = algorithms.value_loss(
-        token_values(model_cfg, critic_params, mb),
+        token_values(model_cfg, critic_params, mb, attention=attention),
         mb["old_values"],
         mb["returns"],
         mb["loss_mask"],

@@ -33,6 +33,7 @@ def token_logprobs(
     chunk_size: int = 256,
     remat: bool = False,
     entropy_grad: bool = False,
+    attention: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """Log-probs and entropies of each token under the policy, aligned to the tokens.
 
@@ -41,6 +42,9 @@ def token_logprobs(
     materialised; small ones (< PLAIN_LOGITS_MAX logits) take the plain, faster path.
     `remat` recomputes each decoder layer in the backward pass (memory for compute). The
     entropy carries no gradient unless `entropy_grad` (an entropy bonus needs it).
+    `attention` picks the attention implementation (`models.attention.IMPLS`). The compute
+    dtype is the params' (pass the compute-dtype cast of master weights, `models.DTypePolicy`);
+    logits, log-softmax and entropy are float32 whatever it is.
 
     Returns:
       (logp_BT, entropy_BT), float32, 0 where `loss_mask_BT` is 0 and at t = 0.
@@ -52,6 +56,8 @@ def token_logprobs(
         attention_mask=attention_BT,
         positions=positions_BT,
         remat=remat,
+        attention=attention,
+        right_padded=True,  # packed batches are right-padded (module docstring)
     )
     h, W = h_BTD[:, :-1], models.unembed(model_cfg, params)
     targets, mask = tokens_BT[:, 1:], loss_mask_BT[:, 1:]
@@ -92,6 +98,8 @@ def token_values(
     tokens_BT: jax.Array,
     positions_BT: jax.Array,
     attention_BT: jax.Array,
+    *,
+    attention: str = "auto",
 ) -> jax.Array:
     """V_t, the value of the state in which token t is chosen, aligned to the tokens (float32)."""
     h_BTD = models.hidden_states(
@@ -100,6 +108,8 @@ def token_values(
         tokens_BT,
         attention_mask=attention_BT,
         positions=positions_BT,
+        attention=attention,
+        right_padded=True,
     )
     head = critic_params["value_head"]
     v_BT = jnp.einsum("btd,d->bt", h_BTD.astype(jnp.float32), head["kernel"].astype(jnp.float32))

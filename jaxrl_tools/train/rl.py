@@ -3,10 +3,18 @@
 `RLTrainer.step(batch)`:
   1. the batch's arrays go to the devices (rows split over the logical "batch" axis);
   2. old log-probs (only when there is more than one optimizer step per batch or KL is folded into
-     the rewards), reference log-probs (KL on) and critic values (PPO / VAPO) by forward passes;
+     the rewards), reference log-probs (KL on) and critic values (PPO / VAPO) by forward passes,
+     in micro-batches of `optim.micro_batch_size` rows like the update (one micro-batch's
+     activations at a time, not the whole rollout batch's);
   3. advantages by the configured estimator, over the real rows only;
   4. `ppo_epochs` x `num_mini_batches` actor (and critic) updates, each accumulating gradients
      over micro-batches exactly (`train.state.make_update`).
+
+Mixed precision (`setup.dtypes`, a `models.DTypePolicy`): the train state holds the master weights
+and AdamW moments in `param` dtype; every forward and backward pass runs on the compute-dtype cast
+of the master weights, taken inside the jitted function, so gradients arrive in the master dtype
+(accumulated in float32); log-softmax and losses are float32. The reference policy is kept in the
+compute dtype (it is only ever run forward).
 
 With a mesh, every jitted function has explicit in/out shardings: batches are split over the
 logical "batch" axis, params (and the optimizer moments, which mirror them) by
@@ -54,7 +62,10 @@ class RLSetup:
       max_response_len: the constant of seq-mean-token-sum-norm aggregation.
       total_steps: RL steps of the run (the learning-rate schedule's horizon).
       seed: shuffles mini-batches.
-      remat: rematerialise decoder layers in the update (memory for compute).
+      remat: rematerialise decoder layers in the update (memory for compute): False, True or
+        a `models.transformer.REMAT_POLICIES` name ("layer", "dots").
+      dtypes: the policy's dtype policy (master weights, compute).
+      attention: the attention implementation (`models.attention.IMPLS`).
     """
 
     rows: int
@@ -63,7 +74,9 @@ class RLSetup:
     max_response_len: int = 1024
     total_steps: int = 1
     seed: int = 0
-    remat: bool = False
+    remat: bool | str = False
+    dtypes: models.DTypePolicy = models.DTypePolicy()
+    attention: str = "auto"
 
 
 def _select_micro(batch: dict, idx_N: jax.Array, micro_batch_size: int, micro_sharding) -> dict:
@@ -77,6 +90,38 @@ def _select_micro(batch: dict, idx_N: jax.Array, micro_batch_size: int, micro_sh
             v = jax.lax.with_sharding_constraint(v, micro_sharding)
         out[k] = v
     return out
+
+
+def _micro_mapped(fn: Callable, rows: int, micro_batch_size: int, micro_sharding) -> Callable:
+    """fn(params, batch) over [rows, ...] arrays, run as sequential micro-batches (`lax.map`), so
+    a forward holds one micro-batch's activations; outputs are put back as [rows, ...]."""
+    num_micro = rows // micro_batch_size
+    if num_micro <= 1:
+        return fn
+
+    def run(params, batch):
+        batch_M = {}
+        for k, v in batch.items():
+            v = v.reshape(num_micro, micro_batch_size, *v.shape[1:])
+            if micro_sharding is not None:
+                v = jax.lax.with_sharding_constraint(v, micro_sharding)
+            batch_M[k] = v
+        out = jax.lax.map(lambda mb: fn(params, mb), batch_M)
+        return jax.tree.map(lambda x: x.reshape(rows, *x.shape[2:]), out)
+
+    return run
+
+
+def _in_compute(fn: Callable, dtypes: models.DTypePolicy) -> Callable:
+    """fn(params, ...) run on the compute-dtype cast of the (master) params; differentiating it
+    gives gradients in the master dtype. `fn` itself when no cast is needed."""
+    if not dtypes.mixed:
+        return fn
+
+    def run(params, *args):
+        return fn(dtypes.cast_for_compute(params), *args)
+
+    return run
 
 
 class RLTrainer:
@@ -138,8 +183,11 @@ class RLTrainer:
         self._setup_shardings(params)
         if self._param_sh is not None:
             params = jax.device_put(params, self._param_sh)
-        # The update donates the state: the reference policy needs buffers of its own.
-        self.ref_params = jax.tree.map(jnp.copy, params) if a.kl_coef > 0 else None
+        # The update donates the state: the reference policy needs buffers of its own (in the
+        # compute dtype: it only runs forward).
+        self.ref_params = (
+            jax.tree.map(jnp.copy, setup.dtypes.cast_for_compute(params)) if a.kl_coef > 0 else None
+        )
         self.state = create_train_state(
             params, self.optimizer, setup.seed, param_shardings=self._param_sh
         )
@@ -228,9 +276,23 @@ class RLTrainer:
     def _build_fns(self) -> None:
         mcfg, pcfg, s = self.model_cfg, self.pcfg, self.setup
         temperature = max(s.temperature, 1e-6)
-        logprobs = functools.partial(objectives.sequence_logprobs, mcfg, temperature, s.remat)
-        actor_loss = functools.partial(
-            objectives.actor_loss, mcfg, pcfg, temperature, s.remat, self.algorithm.nll_coef
+        logprobs = _in_compute(
+            functools.partial(
+                objectives.sequence_logprobs, mcfg, temperature, s.remat, attention=s.attention
+            ),
+            s.dtypes,
+        )
+        actor_loss = _in_compute(
+            functools.partial(
+                objectives.actor_loss,
+                mcfg,
+                pcfg,
+                temperature,
+                s.remat,
+                self.algorithm.nll_coef,
+                attention=s.attention,
+            ),
+            s.dtypes,
         )
         actor_denom = functools.partial(objectives.actor_denominator, pcfg)
         rows, micro, rep = self._rows_sh, self._micro_sh, self._replicated
@@ -244,7 +306,9 @@ class RLTrainer:
             return run
 
         self._logprobs = self._jit(
-            logprobs, in_shardings=(self._param_sh, rows), out_shardings=(rows, rows)
+            _micro_mapped(logprobs, self.rows, mbs, micro),
+            in_shardings=(self._param_sh, rows),
+            out_shardings=(rows, rows),
         )
         self._actor_update = self._jit(
             with_selection(make_update(actor_loss, self.optimizer, denoms_fn=actor_denom)),
@@ -253,12 +317,19 @@ class RLTrainer:
             donate_argnums=0,
         )
         if self.critic_state is not None:
-            values = functools.partial(objectives.token_values, mcfg)
-            critic_loss = functools.partial(
-                objectives.critic_loss, mcfg, self.critic.value_clip_eps
+            values = _in_compute(
+                functools.partial(objectives.token_values, mcfg, attention=s.attention), s.dtypes
+            )
+            critic_loss = _in_compute(
+                functools.partial(
+                    objectives.critic_loss, mcfg, self.critic.value_clip_eps, attention=s.attention
+                ),
+                s.dtypes,
             )
             self._values = self._jit(
-                values, in_shardings=(self._critic_sh, rows), out_shardings=rows
+                _micro_mapped(values, self.rows, mbs, micro),
+                in_shardings=(self._critic_sh, rows),
+                out_shardings=rows,
             )
             self._critic_update = self._jit(
                 with_selection(

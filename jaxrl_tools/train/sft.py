@@ -70,16 +70,29 @@ def make_sft_update(
     micro_sharding=None,
     mesh=None,
     rules=None,
+    dtypes: models.DTypePolicy | None = None,
+    attention: str = "auto",
 ):
     """The jitted SFT update: token-mean NLL over the loss mask, exact over micro-batches.
+
+    With `dtypes`, the state holds master weights and the passes run on their compute-dtype cast
+    (as in the RL trainer).
 
     With a mesh, the state keeps `state_shardings`, micro-batches come as `micro_sharding`, and
     the update is traced inside `use_mesh` so activation constraints apply.
     """
 
     def loss_fn(params, mb, denom):
+        if dtypes is not None:
+            params = dtypes.cast_for_compute(params)
         logp, _ = policy.token_logprobs(
-            model_cfg, params, mb["tokens"], mb["positions"], mb["attention"], mb["loss_mask"]
+            model_cfg,
+            params,
+            mb["tokens"],
+            mb["positions"],
+            mb["attention"],
+            mb["loss_mask"],
+            attention=attention,
         )
         total, _ = algorithms.aggregate(-logp, mb["loss_mask"], "token-mean", denominator=denom)
         return total / jnp.maximum(denom, 1.0), {}
@@ -121,6 +134,8 @@ def train_sft(
     on_step=None,
     mesh=None,
     rules=None,
+    dtypes: models.DTypePolicy | None = None,
+    attention: str = "auto",
 ) -> Any:
     """Trains `params` on segment traces for `epochs`; returns the new params.
 
@@ -129,6 +144,7 @@ def train_sft(
       on_step: optional callback(step, metrics) (logging, progress).
       mesh, rules: train sharded on this mesh (params by their logical axes, batches over
         the "batch" axis); None: one device.
+      dtypes, attention: mixed precision and the attention implementation (`make_sft_update`).
     """
     examples = [encode_segments(tokenizer, t, max_len) for t in traces]
     if not examples:
@@ -146,7 +162,7 @@ def train_sft(
         lr, total_steps=steps, warmup_steps=warmup_steps, schedule="cosine", min_lr_ratio=0.1
     )
     if mesh is None:
-        update = make_sft_update(model_cfg, optimizer)
+        update = make_sft_update(model_cfg, optimizer, dtypes=dtypes, attention=attention)
         state = create_train_state(params, optimizer, seed)
         place = jnp.asarray
     else:
@@ -163,6 +179,8 @@ def train_sft(
             micro_sharding=micro_sh,
             mesh=mesh,
             rules=rules,
+            dtypes=dtypes,
+            attention=attention,
         )
         place = lambda x: jax.device_put(x, micro_sh)
     rng = np.random.default_rng(seed)

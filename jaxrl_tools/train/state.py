@@ -22,7 +22,12 @@ SCHEDULES = ("constant", "cosine", "linear")  # learning-rate schedules of make_
 
 @flax.struct.dataclass
 class TrainState:
-    """Everything an update changes. `rng` is a raw uint32 key (checkpointable as an array)."""
+    """Everything an update changes. `rng` is a raw uint32 key (checkpointable as an array).
+
+    `params` are the master weights (`models.DTypePolicy.param`, float32 by default) and the
+    optimizer state mirrors them; a mixed-precision loss casts them to the compute dtype inside
+    itself, so its gradients come back in the master dtype (accumulated in float32).
+    """
 
     step: jax.Array
     params: Any
@@ -33,7 +38,7 @@ class TrainState:
 def make_optimizer(
     lr: float,
     *,
-    total_steps: int,
+    total_steps: int | None = None,
     warmup_steps: int = 0,
     schedule: str = "cosine",
     min_lr_ratio: float = 0.0,
@@ -45,9 +50,13 @@ def make_optimizer(
 ) -> optax.GradientTransformation:
     """AdamW with linear warmup then cosine, linear or constant decay, after global-norm clipping.
 
+    The defaults are this library's fine-tuning recipe (cosine decay, clip 1.0, no weight decay),
+    not torch's: for ``torch.optim.AdamW`` exactly, use ``torch_adamw``.
+
     Args:
       lr: the peak learning rate.
-      total_steps: optimizer updates of the whole run (the decay's horizon).
+      total_steps: optimizer updates of the whole run (the decay's horizon); needed by the
+        cosine and linear schedules only.
       warmup_steps: linear warm-up from 0 over this many updates.
       schedule: "cosine" | "linear" (both decay to `lr * min_lr_ratio`) | "constant".
       min_lr_ratio, weight_decay, b1, b2, eps: AdamW / decay settings.
@@ -55,6 +64,11 @@ def make_optimizer(
     """
     if lr <= 0:
         raise ValueError(f"optim.lr must be > 0, got {lr}")
+    if schedule in ("cosine", "linear") and total_steps is None:
+        raise ValueError(
+            f"make_optimizer: schedule {schedule!r} decays over total_steps, which is not set "
+            "(give the run's optimizer updates, or use schedule='constant')"
+        )
     if schedule == "cosine":
         sched = optax.warmup_cosine_decay_schedule(
             init_value=0.0 if warmup_steps else lr,
@@ -86,6 +100,30 @@ def make_optimizer(
     parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip else []
     parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
     return optax.chain(*parts)
+
+
+def torch_adamw(
+    lr: float,
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> optax.GradientTransformation:
+    """``torch.optim.AdamW(params, lr, betas, eps, weight_decay)`` exactly, with torch's defaults.
+
+    Constant learning rate, no gradient clipping, no amsgrad. The update is the same formula:
+    torch decays p by lr·wd before the Adam step, optax adds wd·p to the Adam direction; both
+    read p before the step, and both divide by sqrt(v̂) + eps with bias-corrected moments.
+    """
+    return make_optimizer(
+        lr,
+        schedule="constant",
+        weight_decay=weight_decay,
+        b1=betas[0],
+        b2=betas[1],
+        eps=eps,
+        grad_clip=None,
+    )
 
 
 def create_train_state(

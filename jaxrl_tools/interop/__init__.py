@@ -1,0 +1,63 @@
+"""Batches in and out, and one update compared across frameworks (reproducibility studies).
+
+  batch      the interchange format: verl's field names and layout in a parquet file
+             (``FIELDS``, ``save_batch``, ``load_batch``, ``batch_from_trajectories``, ``packed``)
+  update     ``UpdateSettings`` (each field names the verl setting it matches) and
+             ``jax_update``: one update through the trainer's own functions
+  reference  ``torch_update``: the same update in PyTorch with verl's formulas (imports torch
+             when called; import ``jaxrl_tools.interop.reference`` explicitly)
+  compare    per-stage differences and the tolerances they are held to
+
+``jaxrl-tools repro --config X --batch B.parquet [--torch]`` drives them (README, "Reproducing a
+run across frameworks").
+"""
+
+from jaxrl_tools.interop.batch import (
+    FIELDS,
+    REQUIRED,
+    batch_from_trajectories,
+    check_batch,
+    load_batch,
+    packed,
+    save_batch,
+)
+from jaxrl_tools.interop.compare import (
+    BF16,
+    FP32,
+    Stage,
+    Tolerances,
+    compare_updates,
+    compare_with_batch,
+    format_grad_table,
+    grad_differences,
+)
+from jaxrl_tools.interop.update import (
+    REFERENCE_ESTIMATORS,
+    UpdateResult,
+    UpdateSettings,
+    advantages_by_uid,
+    jax_update,
+)
+
+__all__ = [
+    "BF16",
+    "FIELDS",
+    "FP32",
+    "REFERENCE_ESTIMATORS",
+    "REQUIRED",
+    "Stage",
+    "Tolerances",
+    "UpdateResult",
+    "UpdateSettings",
+    "advantages_by_uid",
+    "batch_from_trajectories",
+    "check_batch",
+    "compare_updates",
+    "compare_with_batch",
+    "format_grad_table",
+    "grad_differences",
+    "jax_update",
+    "load_batch",
+    "packed",
+    "save_batch",
+]

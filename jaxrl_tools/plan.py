@@ -1,0 +1,235 @@
+"""Per-device memory of a run's jitted functions, from compilation on abstract shapes.
+
+`plan_memory` builds the train step (micro-batched actor update with AdamW), the log-prob
+forward (one micro-batch) and one decode step (all slots, reading whole cache rows: full
+occupancy) for a model config on a mesh, lowers them on `jax.ShapeDtypeStruct`s (no weights
+exist, nothing is allocated) and compiles them: XLA's `memory_analysis()` of each executable
+is the memory one device needs for its arguments, outputs and temporaries. On a CPU host the
+mesh can be simulated
+(`XLA_FLAGS=--xla_force_host_platform_device_count=8`): the figures are those of the CPU
+compiler's buffer assignment, an estimate of a GPU/TPU's (which fuses differently).
+
+The CLI command and the fit checks of `check` / `train` are not wired yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxrl_tools import models, sharding
+from jaxrl_tools.config import AlgorithmSection
+from jaxrl_tools.rollout.kernels import DecodeState, generate_kernel
+from jaxrl_tools.train import objectives
+from jaxrl_tools.train.state import (
+    create_train_state,
+    make_optimizer,
+    make_update,
+    train_state_shardings,
+)
+
+# Device memory of the accelerators `plan` knows, in bytes.
+ACCELERATORS = {
+    "h100-80g": 80 * 10**9,
+    "h200": 141 * 10**9,
+    "v5e": 16 * 2**30,
+    "v5p": 95 * 2**30,
+    "v6e": 32 * 2**30,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """One compiled function's memory on one device, in bytes."""
+
+    arguments: int
+    outputs: int
+    temporaries: int
+    aliased: int  # outputs written into donated arguments
+
+    @property
+    def peak(self) -> int:
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+    @classmethod
+    def of(cls, compiled) -> Memory:
+        m = compiled.memory_analysis()
+        return cls(
+            arguments=int(m.argument_size_in_bytes),
+            outputs=int(m.output_size_in_bytes),
+            temporaries=int(m.temp_size_in_bytes),
+            aliased=int(m.alias_size_in_bytes),
+        )
+
+
+def _struct(shape, dtype, sh=None):
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sh)
+
+
+def plan_memory(
+    model_cfg: models.ModelConfig,
+    *,
+    mesh,
+    dtypes: models.DTypePolicy,
+    micro_batch_size: int,
+    num_micro: int,
+    seq_len: int,
+    slots: int,
+    cache_len: int,
+    remat: bool | str = False,
+    attention: str = "auto",
+    algorithm: AlgorithmSection | None = None,
+    rules=None,
+) -> dict[str, Memory]:
+    """Compiles the update, the log-prob forward and a decode step on abstract shapes.
+
+    Args:
+      model_cfg: the architecture.
+      mesh: the device mesh (data, fsdp, tensor), real or simulated.
+      dtypes: master / compute / cache dtypes.
+      micro_batch_size, num_micro: rows per micro-batch and micro-batches per optimizer step.
+      seq_len: tokens per packed sequence (prompt + response).
+      slots, cache_len: the decode engine's KV cache.
+      remat, attention: as in the model (`models.hidden_states`).
+      algorithm: the loss's settings (default: GRPO without KL).
+      rules: logical -> mesh axes table.
+
+    Returns:
+      {"update": Memory, "logprobs": Memory, "decode": Memory}, per device.
+    """
+    param_shapes = models.param_shapes(model_cfg, dtypes.param_dtype)
+    param_sh = sharding.tree_shardings(
+        models.logical_axes(model_cfg), mesh, rules, shapes=param_shapes
+    )
+    optimizer = make_optimizer(1e-6, total_steps=1)
+    state_shapes = jax.eval_shape(lambda p: create_train_state(p, optimizer, 0), param_shapes)
+    state_sh = train_state_shardings(state_shapes, param_sh, mesh)
+    batch_axes = sharding.logical_to_spec(("batch",), rules)[0]
+    micro_sh = NamedSharding(mesh, PartitionSpec(None, batch_axes))
+    rows_sh = NamedSharding(mesh, PartitionSpec(batch_axes))
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    algorithm = algorithm or AlgorithmSection(kl_coef=0.0)
+    pcfg = objectives.policy_loss_config(algorithm, seq_len)
+    loss = functools.partial(objectives.actor_loss, model_cfg, pcfg, 1.0, remat, 0.0)
+
+    def loss_in_compute(params, mb, denom):
+        return loss(dtypes.cast_for_compute(params), mb, denom, attention=attention)
+
+    update = make_update(
+        loss_in_compute, optimizer, denoms_fn=functools.partial(objectives.actor_denominator, pcfg)
+    )
+    M, b, T = num_micro, micro_batch_size, seq_len
+    batch = {
+        "tokens": _struct((M, b, T), jnp.int32),
+        "positions": _struct((M, b, T), jnp.int32),
+        "attention": _struct((M, b, T), jnp.int32),
+        "loss_mask": _struct((M, b, T), jnp.float32),
+        "advantages": _struct((M, b, T), jnp.float32),
+        "correct": _struct((M, b), jnp.float32),
+        "old_logp": _struct((M, b, T), jnp.float32),
+    }
+    if pcfg.kl_coef:
+        batch["ref_logp"] = _struct((M, b, T), jnp.float32)
+    batch_sh = jax.tree.map(lambda _: micro_sh, batch)
+
+    def logprobs(params, seqs):
+        return objectives.sequence_logprobs(
+            model_cfg, 1.0, False, dtypes.cast_for_compute(params), seqs, attention=attention
+        )
+
+    seqs = {k: _struct((b, T), batch[k].dtype) for k in ("tokens", "positions", "attention")}
+    seqs["loss_mask"] = _struct((b, T), jnp.float32)
+
+    cache_axes = models.cache_axes()
+    cache_shape = (
+        model_cfg.num_hidden_layers,
+        slots,
+        cache_len,
+        model_cfg.num_key_value_heads,
+        model_cfg.head_dim,
+    )
+    cache = models.KVCache(
+        k=_struct(cache_shape, dtypes.cache_dtype), v=_struct(cache_shape, dtypes.cache_dtype)
+    )
+    cache_sh = sharding.tree_shardings(cache_axes, mesh, rules, shapes=cache)
+    B, V = slots, model_cfg.vocab_size
+    state = DecodeState(
+        cache=cache,
+        lengths=_struct((B,), jnp.int32),
+        logits=_struct((B, V), jnp.float32),
+        keys=_struct((B, 2), jnp.uint32),
+        temperature=_struct((B,), jnp.float32),
+        top_k=_struct((B,), jnp.int32),
+        top_p=_struct((B,), jnp.float32),
+        sampled=_struct((B,), jnp.int32),
+        active=_struct((B,), bool),
+    )
+    state_dec_sh = DecodeState(
+        cache=cache_sh, **{f: replicated for f in DecodeState.__dataclass_fields__ if f != "cache"}
+    )
+    compute_sh = param_sh  # the serving copy keeps the master weights' sharding
+    compute_shapes = jax.tree.map(lambda x: _struct(x.shape, dtypes.compute_dtype), param_shapes)
+
+    def decode(params, st):
+        return generate_kernel(
+            params,
+            st,
+            None,
+            num_steps=1,
+            use_filter=False,
+            config=model_cfg,
+            max_len=cache_len,
+            hook=None,
+        )
+
+    with sharding.use_mesh(mesh, rules):
+        out = {
+            "update": jax.jit(
+                update,
+                in_shardings=(state_sh, batch_sh),
+                out_shardings=(state_sh, replicated),
+                donate_argnums=0,
+            )
+            .lower(state_shapes, batch)
+            .compile(),
+            "logprobs": jax.jit(
+                logprobs,
+                in_shardings=(param_sh, jax.tree.map(lambda _: rows_sh, seqs)),
+                out_shardings=(rows_sh, rows_sh),
+            )
+            .lower(param_shapes, seqs)
+            .compile(),
+            "decode": jax.jit(decode, in_shardings=(compute_sh, state_dec_sh), donate_argnums=1)
+            .lower(compute_shapes, state)
+            .compile(),
+        }
+    return {k: Memory.of(v) for k, v in out.items()}
+
+
+def largest_fitting_micro_batch(fits, start: int, limit: int) -> int:
+    """The largest power-of-two multiple of `start` up to `limit` for which `fits(b)` holds
+    (0 when `start` does not fit); `fits` is monotone in b."""
+    best, b = 0, start
+    while b <= limit and fits(b):
+        best, b = b, b * 2
+    return best
+
+
+def describe(figures: dict[str, Memory], hbm: int | None = None) -> list[str]:
+    """One line per function: arguments / temporaries / peak in GiB (and whether it fits)."""
+    gib = lambda n: f"{n / 2**30:.2f}"
+    lines = []
+    for name, m in figures.items():
+        line = (
+            f"{name:<9} arguments {gib(m.arguments)} GiB, temporaries {gib(m.temporaries)} GiB, "
+            f"peak {gib(m.peak)} GiB per device"
+        )
+        if hbm is not None:
+            line += f" ({'fits' if m.peak <= hbm else 'does NOT fit'} in {gib(hbm)} GiB)"
+        lines.append(line)
+    return lines

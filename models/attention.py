@@ -1,0 +1,223 @@
+"""Attention behind one function: dense, chunked (online softmax), cuDNN flash, Pallas TPU flash.
+
+Every implementation computes the same masked, grouped-query attention:
+
+  out[b, t, h] = softmax_s(q[b, t, h] . k[b, s, h // G] / sqrt(Dh) over allowed s) @ v[b, s, h // G]
+  allowed(b, t, s) = kv_valid[b, s] and s <= q_pos[b, t] (and q_pos[b, t] - s < window)
+
+`q_pos[b, t]` is the key index query t sits at: `t` in a training forward (causal), the absolute
+position in a decode step over a cache row. `kv_valid` marks real keys (padding is False).
+
+Implementations (`impl`):
+  "dense"    the [B, H, T, S] float32 score matrix, as the model has always computed it; the
+             reference, and what fp32 runs on CPU use (the demo's numbers depend on it).
+  "chunked"  online softmax over key chunks inside a scan over query chunks, in XLA; memory
+             O(chunk^2) per head instead of O(T S); blocks above the causal diagonal are skipped;
+             equal to "dense" to float32 rounding (tests: 1e-5, value and gradient).
+  "cudnn"    `jax.nn.dot_product_attention(implementation="cudnn")`: cuDNN flash attention on
+             NVIDIA GPUs. It takes causal + right padding (per-row lengths), bf16/fp16, Dh <= 128;
+             only used when the caller passes `kv_lengths` (right-padded rows) and T == S.
+  "pallas"   `jax.experimental.pallas.ops.tpu.flash_attention` on TPU, causal, padding by
+             segment ids (any padding layout), kv heads repeated for GQA.
+  "auto"     picks per call from the platform and shapes (`select_impl`).
+
+Queries whose row allows no key (padding) get an arbitrary finite output (mean of some values,
+or 0): they differ between implementations and are never used.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IMPLS = ("auto", "dense", "chunked", "cudnn", "pallas")
+# Finite, so that a fully masked row stays NaN-free (its softmax is uniform).
+NEG_INF = -0.7 * float(np.finfo(np.float32).max)
+# "auto" keeps the dense path while a score matrix (per batch row and head) is at most this many
+# entries: fp32 CPU runs (tests, the demo) keep their exact numbers, long sequences go chunked.
+DENSE_MAX_SCORES = 1 << 24
+CHUNK = 512  # query and key chunk of the chunked path
+
+
+def select_impl(impl: str, *, T: int, S: int, Dh: int, dtype, has_lengths: bool) -> str:
+    """The implementation "auto" resolves to for these shapes on the default backend.
+
+    GPU: cuDNN flash for bf16/fp16 causal self-attention over right-padded rows (T == S, lengths
+    given, Dh <= 128 and a multiple of 8). TPU: the Pallas flash kernel for causal self-attention
+    when T is a multiple of 128 and Dh of 128. Otherwise dense while T * S <= DENSE_MAX_SCORES,
+    else chunked.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"attention implementation {impl!r} is not one of {list(IMPLS)}")
+    if impl != "auto":
+        return impl
+    backend = jax.default_backend()
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if backend == "gpu" and half and has_lengths and T == S and Dh <= 128 and Dh % 8 == 0:
+        return "cudnn"
+    if backend == "tpu" and T == S and T % 128 == 0 and Dh % 128 == 0:
+        return "pallas"
+    return "dense" if T * S <= DENSE_MAX_SCORES else "chunked"
+
+
+def attention(
+    q_BTHD: jax.Array,
+    k_BSKD: jax.Array,
+    v_BSKD: jax.Array,
+    q_pos_BT: jax.Array,
+    kv_valid_BS: jax.Array,
+    *,
+    kv_lengths_B: jax.Array | None = None,
+    impl: str = "auto",
+    window: int | None = None,
+    chunk: int = CHUNK,
+) -> jax.Array:
+    """Masked grouped-query attention (see the module docstring for the mask).
+
+    Args:
+      q_BTHD: queries [B, T, H, Dh] (rotary already applied).
+      k_BSKD, v_BSKD: keys and values [B, S, K, Dh], H a multiple of K.
+      q_pos_BT: int, the key index each query may attend up to (inclusive).
+      kv_valid_BS: bool, real keys.
+      kv_lengths_B: optional per-row lengths when rows are right-padded self-attention
+        (kv_valid[b] = [s < kv_lengths[b]], q_pos[b, t] = t): lets "auto" choose cuDNN.
+      impl: one of IMPLS.
+      window: sliding window (a query sees the `window` keys ending at its own position).
+      chunk: query/key chunk of the chunked path.
+
+    Returns:
+      out_BTHD in the dtype of `v_BSKD`.
+    """
+    B, T, H, Dh = q_BTHD.shape
+    S, K = k_BSKD.shape[1], k_BSKD.shape[2]
+    if H % K:
+        raise ValueError(f"attention: {H} query heads are not a multiple of {K} kv heads")
+    impl = select_impl(
+        impl, T=T, S=S, Dh=Dh, dtype=q_BTHD.dtype, has_lengths=kv_lengths_B is not None
+    )
+    if impl == "dense":
+        return _dense(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window)
+    if impl == "chunked":
+        return _chunked(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window, chunk)
+    if impl == "cudnn":
+        if kv_lengths_B is None or T != S:
+            raise ValueError("attention impl 'cudnn' needs right-padded self-attention lengths")
+        return jax.nn.dot_product_attention(
+            q_BTHD,
+            k_BSKD,
+            v_BSKD,
+            is_causal=True,
+            query_seq_lengths=kv_lengths_B.astype(jnp.int32),
+            key_value_seq_lengths=kv_lengths_B.astype(jnp.int32),
+            local_window_size=None if window is None else (window - 1, 0),
+            implementation="cudnn",
+        ).astype(v_BSKD.dtype)
+    return _pallas_tpu(q_BTHD, k_BSKD, v_BSKD, kv_valid_BS, window)
+
+
+def _allowed(q_pos_BT, kv_pos_S, kv_valid_BS, window):
+    ok = (kv_pos_S[None, None, :] <= q_pos_BT[:, :, None]) & kv_valid_BS[:, None, :]
+    if window is not None:
+        ok &= q_pos_BT[:, :, None] - kv_pos_S[None, None, :] < window
+    return ok
+
+
+def _dense(q, k, v, q_pos_BT, kv_valid_BS, window):
+    B, T, H, Dh = q.shape
+    K = k.shape[2]
+    mask_BTS = _allowed(q_pos_BT, jnp.arange(k.shape[1]), kv_valid_BS, window)
+    q = q.reshape(B, T, K, H // K, Dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (Dh**-0.5)
+    scores = jnp.where(mask_BTS[:, None, None, :, :], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(B, T, H, Dh)
+
+
+def _pad_axis(x, axis, size, value=0):
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _chunked(q, k, v, q_pos_BT, kv_valid_BS, window, chunk):
+    B, T, H, Dh = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = H // K
+    qc, kc = min(chunk, T), min(chunk, S)
+    nq, nk = -(-T // qc), -(-S // kc)
+    # Padded queries allow nothing (q_pos -1); padded keys are invalid.
+    q = _pad_axis(q, 1, nq * qc).reshape(B, nq, qc, K, G, Dh)
+    q_pos = _pad_axis(q_pos_BT.astype(jnp.int32), 1, nq * qc, -1).reshape(B, nq, qc)
+    k = _pad_axis(k, 1, nk * kc).reshape(B, nk, kc, K, Dh)
+    v = _pad_axis(v, 1, nk * kc).reshape(B, nk, kc, K, Dh)
+    valid = _pad_axis(kv_valid_BS.astype(bool), 1, nk * kc, False).reshape(B, nk, kc)
+    kv_pos = jnp.arange(nk * kc, dtype=jnp.int32).reshape(nk, kc)
+    scale = Dh**-0.5
+    kv_xs = (k.swapaxes(0, 1), v.swapaxes(0, 1), valid.swapaxes(0, 1), kv_pos)
+
+    @jax.checkpoint
+    def q_block(q_bqkgd, qp_bq):
+        # Only the running max / sum / output of the online softmax are carried; the backward
+        # pass recomputes each block's scores (checkpoint) instead of storing them.
+        @jax.checkpoint
+        def kv_block(carry, xs):
+            k_c, v_c, valid_c, pos_c = xs
+            ok_BTS = _allowed(qp_bq, pos_c, valid_c, window)
+
+            def update(carry):
+                m, denom, acc = carry
+                f32 = jnp.float32
+                s = jnp.einsum("btkgd,bskd->bkgts", q_bqkgd, k_c, preferred_element_type=f32)
+                s = jnp.where(ok_BTS[:, None, None], s * scale, NEG_INF)
+                # The result does not depend on the shift m (exactly): no gradient through it.
+                m_new = jax.lax.stop_gradient(jnp.maximum(m, s.max(-1)))
+                corr = jnp.exp(m - m_new)
+                p = jnp.exp(s - m_new[..., None])
+                pv = jnp.einsum(
+                    "bkgts,bskd->bkgtd", p.astype(v_c.dtype), v_c, preferred_element_type=f32
+                )
+                return m_new, denom * corr + p.sum(-1), acc * corr[..., None] + pv
+
+            # Blocks wholly above the causal diagonal (or all padding) are skipped.
+            return jax.lax.cond(jnp.any(ok_BTS), update, lambda c: c, carry), None
+
+        init = (
+            jnp.full((B, K, G, qc), NEG_INF, jnp.float32),
+            jnp.zeros((B, K, G, qc), jnp.float32),
+            jnp.zeros((B, K, G, qc, Dh), jnp.float32),
+        )
+        (_, denom, acc), _ = jax.lax.scan(kv_block, init, kv_xs)
+        out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # rows that allowed nothing: 0
+        return jnp.einsum("bkgtd->btkgd", out).astype(v.dtype)
+
+    def q_step(_, xs):
+        return None, q_block(*xs)
+
+    _, out = jax.lax.scan(q_step, None, (q.swapaxes(0, 1), q_pos.swapaxes(0, 1)))
+    # out: [nq, B, qc, K, G, Dh] -> [B, T, H, Dh]
+    return out.swapaxes(0, 1).reshape(B, nq * qc, H, Dh)[:, :T]
+
+
+def _pallas_tpu(q, k, v, kv_valid_BS, window):
+    # Imported lazily: Pallas takes seconds to import and is only useful on a TPU.
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa  # noqa: PLC0415
+
+    if window is not None:
+        raise ValueError("attention impl 'pallas' has no sliding window; use 'chunked'")
+    H, K, Dh = q.shape[2], k.shape[2], q.shape[3]
+    seg = kv_valid_BS.astype(jnp.int32)
+    rep = functools.partial(jnp.repeat, repeats=H // K, axis=2)
+    to_bhtd = lambda x: jnp.swapaxes(x, 1, 2)
+    out = fa.flash_attention(
+        to_bhtd(q),
+        to_bhtd(rep(k).astype(q.dtype)),
+        to_bhtd(rep(v).astype(q.dtype)),
+        segment_ids=fa.SegmentIds(q=seg, kv=seg),
+        causal=True,
+        sm_scale=Dh**-0.5,
+    )
+    return jnp.swapaxes(out, 1, 2).astype(v.dtype)

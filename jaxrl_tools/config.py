@@ -400,7 +400,8 @@ class OptimSection:
 
 @dataclass(frozen=True)
 class CriticSection:
-    """Value model (PPO / VAPO): a value head on a copy of the policy trunk."""
+    """Value model (PPO / VAPO): a value head on a copy of the policy trunk, trained with the
+    `optim` section's AdamW (schedule, weight decay, betas, clip) at its own lr and warmup."""
 
     enabled: bool = False
     lr: float = 1e-5

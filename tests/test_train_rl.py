@@ -13,6 +13,7 @@ from jaxrl_tools import models, run
 from jaxrl_tools.config_loader import config_from_dict
 from jaxrl_tools.train import objectives
 from jaxrl_tools.train.batch import make_batch, pack_trajectories
+from jaxrl_tools.train.state import make_optimizer
 from jaxrl_tools.types import Batch
 
 tiny_config = tiny_model_config
@@ -173,6 +174,31 @@ def test_value_pretraining_holds_the_actor():
     )
     assert max(jax.tree.leaves(moved)) > 0
     assert "actor/loss" in trainer.step()
+
+
+def test_the_critic_uses_the_optim_sections_adamw_at_its_own_lr():
+    cfg = ppo_config()
+    cfg = dataclasses.replace(
+        cfg, optim=dataclasses.replace(cfg.optim, weight_decay=0.3, b2=0.95, schedule="linear")
+    )
+    trainer = run.make_trainer(
+        cfg, tiny_config(), models.init_params(tiny_config(), jax.random.key(0))
+    )
+    want = make_optimizer(
+        cfg.critic.lr,
+        total_steps=cfg.trainer.steps,
+        schedule="linear",
+        weight_decay=0.3,
+        b2=0.95,
+        grad_clip=None,
+    )
+    params = {"w": jnp.linspace(-1.0, 1.0, 6)}
+    grads = {"w": jnp.asarray([0.5, -1.0, 2.0, 0.0, 1e-3, -3.0])}
+    got_state, want_state = trainer.critic_optimizer.init(params), want.init(params)
+    for _ in range(3):
+        got, got_state = trainer.critic_optimizer.update(grads, got_state, params)
+        ref, want_state = want.update(grads, want_state, params)
+        np.testing.assert_array_equal(got["w"], ref["w"])
 
 
 def test_ppo_with_critic_learns_values():

@@ -168,10 +168,10 @@ class RLTrainer:
                 f"({o.micro_batch_size})"
             )
         updates_total = max(1, setup.total_steps * o.ppo_epochs * o.num_mini_batches)
-        self.optimizer = make_optimizer(
-            o.lr,
+        # The critic's AdamW is the policy's (schedule, decay, betas, clip) at its own lr/warmup.
+        adamw = functools.partial(
+            make_optimizer,
             total_steps=updates_total,
-            warmup_steps=o.warmup_steps,
             schedule=o.schedule,
             min_lr_ratio=o.min_lr_ratio,
             weight_decay=o.weight_decay,
@@ -180,6 +180,7 @@ class RLTrainer:
             eps=o.eps,
             grad_clip=o.grad_clip,
         )
+        self.optimizer = adamw(o.lr, warmup_steps=o.warmup_steps)
         self._setup_shardings(params)
         if self._param_sh is not None:
             params = jax.device_put(params, self._param_sh)
@@ -199,12 +200,7 @@ class RLTrainer:
         self.critic_state = None
         if a.uses_critic:
             critic_params = policy.init_value_head(model_cfg, params)
-            self.critic_optimizer = make_optimizer(
-                critic.lr,
-                total_steps=updates_total,
-                warmup_steps=critic.warmup_steps,
-                grad_clip=o.grad_clip,
-            )
+            self.critic_optimizer = adamw(critic.lr, warmup_steps=critic.warmup_steps)
             if mesh is not None:
                 self._critic_sh = sharding.tree_shardings(
                     policy.critic_logical_axes(model_cfg), mesh, rules, shapes=critic_params

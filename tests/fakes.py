@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -79,3 +80,13 @@ def fixed_trajectories(seed: int = 0) -> list[Trajectory]:
             spans = [Span("model", 0, 2), Span("observation", 2, 4), Span("model", 4, n)]
             out.append(Trajectory(g, j, prompt, resp, mask, [0.0] * n, spans, response_text=text))
     return out
+
+
+def wait_until(pred, timeout=3.0) -> bool:
+    """Polls `pred` every 50 ms until it holds or `timeout` seconds pass; its last value."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from fakes import wait_until
 
 from jaxrl_tools.tools import PythonTool, SandboxConfig, SandboxPool, SandboxUnavailableError
 from jaxrl_tools.tools import pool as pool_mod
@@ -60,15 +61,6 @@ def uid_procs(uid: int) -> set[int]:
             except OSError:
                 pass
     return out
-
-
-def wait_until(pred, timeout=3.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 # --------------------------------------------------------------------------- basics

@@ -10,6 +10,7 @@ import time
 import uuid
 
 import pytest
+from fakes import wait_until
 
 from jaxrl_tools.tools import PythonTool, SandboxConfig, SandboxPool, SandboxUnavailableError
 from jaxrl_tools.tools import sandbox as sandbox_mod
@@ -70,7 +71,7 @@ def test_cleanup_that_overruns_its_budget_replaces_the_worker_off_the_callers_cl
         many = "import os\nfor i in range(30000):\n    open(f'f{i}', 'w').close()\nprint('made')"
         assert p.run_sync(many).stdout == "made\n"
         assert_next_call_normal(p)  # served by the other worker while this one is replaced
-        assert wait_until(lambda: p.metrics().get("worker_recycled", 0) == 1)
+        assert wait_until(lambda: p.metrics().get("worker_recycled", 0) == 1, timeout=5.0)
         assert wait_until(lambda: p._idle.qsize() == 2, timeout=15)
         assert p.metrics().get("worker_restarts", 0) == 0
 
@@ -284,15 +285,6 @@ def test_probe_report_lists_every_layer():
     with SandboxPool(1, SandboxConfig(preload=("math",))) as p:
         probe = p._all[0].hello["probe"]
     assert probe == dict.fromkeys(sandbox_mod.PROBE_CHECKS, "ok"), probe
-
-
-def wait_until(pred, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 def test_http_front_callers_do_not_see_each_other(pool):

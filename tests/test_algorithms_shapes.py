@@ -37,7 +37,7 @@ from jaxrl_tools.algorithms import (
     ppo_clip_loss,
     starpo_s_filter,
     token_entropy,
-    token_logprobs,
+    target_logprobs,
     value_loss,
 )
 
@@ -202,23 +202,23 @@ LOSS_CASES = [
 LOGPROB_CASES = [
     (
         "logprobs_float_targets",
-        lambda: token_logprobs(LOGITS, TARGETS.astype(np.float32), M),
+        lambda: target_logprobs(LOGITS, TARGETS.astype(np.float32), M),
         r"target_logprobs: targets_BT has dtype float32, expected an integer dtype \(token ids\)",
     ),
     (
         "logprobs_targets_short",
-        lambda: token_logprobs(LOGITS, TARGETS[:, :-1], M),
+        lambda: target_logprobs(LOGITS, TARGETS[:, :-1], M),
         rf"target_logprobs: targets_BT has shape {sh(B, T - 1)}, expected {sh(B, T)} "
         r"\(the leading \[B, T\] of logits_BTV",
     ),
     (
         "logprobs_mask",
-        lambda: token_logprobs(LOGITS, TARGETS, M[:, :1]),
+        lambda: target_logprobs(LOGITS, TARGETS, M[:, :1]),
         rf"target_logprobs: loss_mask_BT has shape {sh(B, 1)}, expected {sh(B, T)}",
     ),
     (
         "logprobs_2d_logits",
-        lambda: token_logprobs(LOGITS[:, 0], TARGETS, M),
+        lambda: target_logprobs(LOGITS[:, 0], TARGETS, M),
         rf"target_logprobs: logits_BTV has shape {sh(B, V)}, expected \[B, T, V\]",
     ),
     (
@@ -467,6 +467,6 @@ def test_valid_inputs_still_pass_under_jit():
         a, r = jax.jit(adv(name))()
         assert a.shape == r.shape == (B, T)
     lp = jax.jit(lambda: chunked_token_logprobs(H, W, TARGETS, M, chunk_size=4))()
-    np.testing.assert_allclose(lp, token_logprobs(H @ W, TARGETS, M), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lp, target_logprobs(H @ W, TARGETS, M), rtol=1e-5, atol=1e-5)
     # int64 / uint8 ids are integers too
-    token_logprobs(LOGITS, TARGETS.astype(np.uint8), M)
+    target_logprobs(LOGITS, TARGETS.astype(np.uint8), M)

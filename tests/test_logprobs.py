@@ -11,7 +11,7 @@ from jaxrl_tools.algorithms import (
     chunked_token_logprobs,
     chunked_token_logprobs_and_entropy,
     token_entropy,
-    token_logprobs,
+    target_logprobs,
 )
 
 
@@ -44,7 +44,7 @@ class LogprobTest(chex.TestCase):
     def test_plain_matches_numpy(self, temperature):
         h, W, tgt, m = make(0)
         logits = h @ W
-        logp = self.variant(lambda *a: token_logprobs(*a, temperature=temperature))(logits, tgt, m)
+        logp = self.variant(lambda *a: target_logprobs(*a, temperature=temperature))(logits, tgt, m)
         ent = self.variant(lambda *a: token_entropy(*a, temperature=temperature))(logits, m)
         chex.assert_shape([logp, ent], tgt.shape)
         chex.assert_type([logp, ent], jnp.float32)
@@ -56,7 +56,7 @@ class LogprobTest(chex.TestCase):
     def test_bf16_logits_computed_in_float32(self):
         h, W, tgt, m = make(1)
         logits = jnp.asarray(h @ W, jnp.bfloat16)
-        logp = token_logprobs(logits, tgt, m)
+        logp = target_logprobs(logits, tgt, m)
         chex.assert_type(logp, jnp.float32)
         want, _ = np_logp_entropy(np.asarray(logits.astype(jnp.float32)), tgt)
         np.testing.assert_allclose(logp, want * m, rtol=1e-5, atol=1e-5)
@@ -69,7 +69,7 @@ class LogprobTest(chex.TestCase):
 
         def plain(h, W):
             lg = jnp.einsum("btd,dv->btv", h, W)
-            return token_logprobs(lg, tgt, m), token_entropy(lg, m)
+            return target_logprobs(lg, tgt, m), token_entropy(lg, m)
 
         def chunked(h, W):
             return chunked_token_logprobs_and_entropy(h, W, tgt, m, chunk_size=chunk)
@@ -109,7 +109,7 @@ class LogprobTest(chex.TestCase):
 
         def plain(h, W, tgt, m):
             lg = jnp.einsum("btd,dv->btv", h, W)
-            return jnp.sum(token_logprobs(lg, tgt, m) + 0.1 * token_entropy(lg, m))
+            return jnp.sum(target_logprobs(lg, tgt, m) + 0.1 * token_entropy(lg, m))
 
         def chunked(h, W, tgt, m):
             lp, en = chunked_token_logprobs_and_entropy(h, W, tgt, m, chunk_size=256)
@@ -131,8 +131,8 @@ class LogprobTest(chex.TestCase):
         with pytest.raises(ValueError, match="W_DV has shape"):
             chunked_token_logprobs(h, W[:-1], tgt, m)
         with pytest.raises(ValueError, match="targets_BT has shape"):
-            token_logprobs(h @ W, tgt[:, :-1], m)
+            target_logprobs(h @ W, tgt[:, :-1], m)
         with pytest.raises(ValueError, match="loss_mask_BT has shape"):
             chunked_token_logprobs(h, W, tgt, m[:1])
         with pytest.raises(ValueError, match="targets_BT has dtype float32"):
-            token_logprobs(h @ W, tgt.astype(np.float32), m)
+            target_logprobs(h @ W, tgt.astype(np.float32), m)

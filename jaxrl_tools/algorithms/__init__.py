@@ -1,8 +1,8 @@
 """RL losses, advantage estimators, token log-probs and batch filters (pure jnp; filters NumPy).
 
 Public API:
-  log-probs   target_logprobs (alias token_logprobs: targets aligned by the caller; the
-              sequence convention is train.policy.token_logprobs), token_entropy,
+  log-probs   target_logprobs (targets aligned by the caller; the sequence convention is
+              train.policy.token_logprobs), token_entropy,
               chunked_token_logprobs, chunked_token_logprobs_and_entropy
   advantages  AdvantageInputs, AdvantageConfig, compute_advantages, register_advantage_estimator,
               get_advantage_estimator, list_advantage_estimators, estimator_requirements,
@@ -55,7 +55,6 @@ from jaxrl_tools.algorithms.logprobs import (
     chunked_token_logprobs_and_entropy,
     target_logprobs,
     token_entropy,
-    token_logprobs,
 )
 from jaxrl_tools.algorithms.losses import (
     entropy_loss,
@@ -125,7 +124,6 @@ __all__ = [
     "starpo_s_filter",
     "target_logprobs",
     "token_entropy",
-    "token_logprobs",
     "value_loss",
     "verl_loss_denominator",
 ]

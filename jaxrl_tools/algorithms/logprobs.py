@@ -5,7 +5,7 @@ Alignment (the kernels here): ``targets_BT[b, t]`` is the token whose log-prob i
 ``logits[:, :-1]`` and ``tokens[:, 1:]``. The library's one convention for the log-probs *of a
 sequence* is the trainer's, ``jaxrl_tools.train.policy.token_logprobs``: aligned to the token
 scored, ``logp[b, t] = log π(tokens[b, t] | tokens[b, <t])``, column 0 = 0; it does the shift
-and calls ``target_logprobs``. ``token_logprobs`` here is an alias of ``target_logprobs``.
+and calls ``target_logprobs``.
 ``loss_mask_BT`` is 1 on model tokens; results are exactly 0 at masked positions, and so is
 their gradient. ``targets_BT`` must be integer token ids and ``loss_mask_BT`` exactly the
 logits' [B, T] (else a ValueError).
@@ -78,10 +78,6 @@ def target_logprobs(
     return jnp.where(loss_mask_BT > 0, logp, 0.0)
 
 
-# The older name: the same function (targets already shifted by the caller).
-token_logprobs = target_logprobs
-
-
 def token_entropy(
     logits_BTV: jax.Array, loss_mask_BT: jax.Array, *, temperature: float = 1.0
 ) -> jax.Array:
@@ -117,7 +113,7 @@ def chunked_token_logprobs_and_entropy(
     """Token log-probs and entropies from hidden states without materialising [B, T, V].
 
     Equal (values and gradients wrt ``h_BTD`` and ``W_DV``) to
-    ``token_logprobs(h @ W, ...)`` / ``token_entropy(h @ W, ...)``.
+    ``target_logprobs(h @ W, ...)`` / ``token_entropy(h @ W, ...)``.
 
     Args:
       h_BTD: [B, T, D] final hidden states (after the final norm).

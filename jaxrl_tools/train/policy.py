@@ -31,6 +31,7 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = 256,
+    chunked: bool | None = None,
     remat: bool = False,
     entropy_grad: bool = False,
     attention: str = "auto",
@@ -40,6 +41,7 @@ def token_logprobs(
     The logits are divided by `temperature`, as the sampler did (so PPO ratios compare like with
     like). Large batches work in chunks over the sequence, so no [B, T, V] float32 array is
     materialised; small ones (< PLAIN_LOGITS_MAX logits) take the plain, faster path.
+    `chunked` (True / False) picks the path explicitly; both give the same numbers.
     `remat` recomputes each decoder layer in the backward pass (memory for compute). The
     entropy carries no gradient unless `entropy_grad` (an entropy bonus needs it).
     `attention` picks the attention implementation (`models.attention.IMPLS`). The compute
@@ -61,9 +63,11 @@ def token_logprobs(
     )
     h, W = h_BTD[:, :-1], models.unembed(model_cfg, params)
     targets, mask = tokens_BT[:, 1:], loss_mask_BT[:, 1:]
-    if h.shape[0] * h.shape[1] * W.shape[1] <= PLAIN_LOGITS_MAX:
+    if chunked is None:
+        chunked = h.shape[0] * h.shape[1] * W.shape[1] > PLAIN_LOGITS_MAX
+    if not chunked:
         logits = jnp.einsum("btd,dv->btv", h, W.astype(h.dtype), preferred_element_type=jnp.float32)
-        logp = algorithms.token_logprobs(logits, targets, mask, temperature=temperature)
+        logp = algorithms.target_logprobs(logits, targets, mask, temperature=temperature)
         ent = algorithms.token_entropy(
             logits if entropy_grad else jax.lax.stop_gradient(logits),
             mask,

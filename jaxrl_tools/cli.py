@@ -98,7 +98,7 @@ def _dispatch(args, cfg) -> int | None:
     elif args.command == "export":
         print(f"exported to {run.export(cfg, args.out, args.step)}")
     elif args.command == "repro":
-        lines, ok = repro(cfg, args.batch, with_torch=args.torch)
+        lines, ok = repro(cfg, args.batch, with_torch=args.torch, with_trl=args.trl)
         print("\n".join(lines))
         return 0 if ok else 1
     return None
@@ -159,6 +159,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", required=True, help="parquet file of interop.save_batch / verl")
     p.add_argument(
         "--torch", action="store_true", help="also run the PyTorch reference and compare"
+    )
+    p.add_argument(
+        "--trl", action="store_true", help="also run TRL's GRPO loss (pip install trl) and compare"
     )
     rest, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(rest)

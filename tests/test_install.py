@@ -26,11 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("jaxrl_tools", "models", "sharding", "tools")
 FIRST_PARTY = set(SOURCE_DIRS)
 # Modules that may come from an extra instead of the core dependencies (imported lazily).
-EXTRA_ONLY = {"jetstream": "serve", "torch": "repro"}
+EXTRA_ONLY = {"jetstream": "serve", "torch": "repro", "trl": "repro", "datasets": "repro"}
 HEAVY = ("jetstream", "tensorflow", "seqio")  # what the training path must not import
 # Distributions the core install must not pull in, even transitively: TensorFlow (~2 GB, via
 # JetStream's seqio) and torch (test-only; it also drags in jinja2 and so hides its absence).
-NOT_IN_CORE = {"google-jetstream", "seqio", "tensorflow", "tensorflow-text", "torch"}
+NOT_IN_CORE = {"google-jetstream", "seqio", "tensorflow", "tensorflow-text", "torch", "trl"}
 
 
 def _norm(name: str) -> str:

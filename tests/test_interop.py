@@ -17,9 +17,15 @@ from fakes import fixed_trajectories
 
 from jaxrl_tools import algorithms, interop, models
 from jaxrl_tools.cli import main
-from jaxrl_tools.config import AlgorithmSection, ModelSection, OptimSection, RunConfig
+from jaxrl_tools.config import (
+    AlgorithmSection,
+    ConfigError,
+    ModelSection,
+    OptimSection,
+    RunConfig,
+)
 from jaxrl_tools.data import DataError
-from jaxrl_tools.interop import reference
+from jaxrl_tools.interop import reference, trl_grpo
 from jaxrl_tools.models.hf_io import from_hf_tensors, hf_names, to_hf_tensors
 from jaxrl_tools.train.state import make_optimizer, torch_adamw
 
@@ -172,6 +178,49 @@ def test_update_matches_pytorch_reference(policy, case):
     assert np.abs(ours.advantages).max() > 0.1
 
 
+# TRL's loss types and the verl aggregation each one is (jaxrl_tools/interop/trl_grpo.py).
+# TRL has no dual clip: off here, so that the match does not depend on whether it binds.
+_NO_DUAL = dict(dual_clip_c=None)
+TRL_CASES = {
+    "grpo+kl": interop.UpdateSettings(loss_agg_mode="seq-mean-token-mean", kl_coef=0.1, **_NO_DUAL),
+    "bnpo": interop.UpdateSettings(loss_agg_mode="token-mean", clip_eps_high=0.28, **_NO_DUAL),
+    "dr_grpo": interop.UpdateSettings(
+        adv_estimator="drgrpo",
+        norm_adv_by_std=False,
+        loss_agg_mode="seq-mean-token-sum-norm",
+        **_NO_DUAL,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TRL_CASES))
+def test_trl_grpo_loss_matches_ours(policy, case):
+    # TRL's own GRPOTrainer._compute_loss on the off-policy batch (ratios clip both ways).
+    folder, cfg, params = policy("qwen2")
+    settings = TRL_CASES[case]
+    batch = off_policy_batch(folder, seed=3)
+    ours = interop.jax_update(cfg, params, batch, settings)
+    loss, grads = trl_grpo.trl_loss(folder, batch, settings, ours.advantages)
+    scale = trl_grpo.verl_over_trl(settings, B)
+    assert scale == (B if case == "dr_grpo" else 1)
+    assert loss * scale == pytest.approx(ours.loss, rel=1e-5, abs=1e-7)
+    diffs = interop.grad_differences(ours.grads, {n: g * scale for n, g in grads.items()})
+    assert set(diffs) == set(ours.grads)
+    assert max(rel for _, _, rel in diffs.values()) <= 1e-4
+    stages = trl_grpo.compare_with_trl(ours, folder, batch, settings)
+    assert all(s.ok for s in stages), "\n".join(s.line() for s in stages)
+
+
+def test_trl_refuses_what_it_cannot_express():
+    for settings, field in (
+        (interop.UpdateSettings(loss_agg_mode="seq-mean-token-sum"), "loss_agg_mode"),
+        (interop.UpdateSettings(kl_coef=0.1, kl_type="mse"), "kl_type"),
+        (interop.UpdateSettings(entropy_coef=0.01), "entropy_coef"),
+    ):
+        with pytest.raises(ConfigError, match=field):
+            trl_grpo.check_settings(settings)
+
+
 def test_batch_round_trip_is_lossless(tmp_path):
     batch = random_batch(3)
     batch["old_log_probs"] = np.random.default_rng(0).normal(size=(B, R)).astype(np.float32)
@@ -315,13 +364,15 @@ def test_repro_command_passes_and_fails_on_a_perturbed_batch(policy, tmp_path, c
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     run = ["repro", "--config", str(tmp_path / "run.yaml"), "--batch"]
 
-    assert main([*run, str(tmp_path / "good.parquet"), "--torch"]) == 0
+    assert main([*run, str(tmp_path / "good.parquet"), "--torch", "--trl"]) == 0
     out = capsys.readouterr().out
     for stage in (
         "log-probs vs batch old_log_probs",
         "advantages vs batch",
         "gradients",
         "weights",
+        "TRL loss",
+        "TRL gradients",
     ):
         assert f"ok   {stage}" in out, out
     assert "model.embed_tokens.weight" in out  # the per-parameter gradient norms

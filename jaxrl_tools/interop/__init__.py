@@ -7,8 +7,10 @@
   reference  ``torch_update``: the same update in PyTorch with verl's formulas (imports torch
              when called; import ``jaxrl_tools.interop.reference`` explicitly)
   compare    per-stage differences and the tolerances they are held to
+  trl_grpo   ``trl_loss`` / ``compare_with_trl``: TRL's own GRPO loss on the batch (imports trl
+             when called; import ``jaxrl_tools.interop.trl_grpo`` explicitly)
 
-``jaxrl-tools repro --config X --batch B.parquet [--torch]`` drives them (README, "Reproducing a
+``jaxrl-tools repro --config X --batch B.parquet [--torch] [--trl]`` drives them (README, "Reproducing a
 run across frameworks").
 """
 

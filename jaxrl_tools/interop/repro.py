@@ -6,7 +6,7 @@ import numpy as np
 
 from jaxrl_tools import algorithms, models
 from jaxrl_tools.config import ConfigError, RunConfig
-from jaxrl_tools.interop import reference
+from jaxrl_tools.interop import reference, trl_grpo
 from jaxrl_tools.interop.batch import load_batch
 from jaxrl_tools.interop.compare import (
     BF16,
@@ -18,9 +18,12 @@ from jaxrl_tools.interop.compare import (
 from jaxrl_tools.interop.update import UpdateSettings, jax_update
 
 
-def repro(cfg: RunConfig, batch_path: str, with_torch: bool) -> tuple[list[str], bool]:
+def repro(
+    cfg: RunConfig, batch_path: str, with_torch: bool, with_trl: bool = False
+) -> tuple[list[str], bool]:
     """(report lines, every stage within tolerance) of one update on the batch at
-    ``batch_path``, with the policy ``cfg.model.path`` and the settings of ``cfg``."""
+    ``batch_path``, with the policy ``cfg.model.path`` and the settings of ``cfg``; with_torch
+    adds the PyTorch reference, with_trl TRL's GRPO loss (loss and gradients only)."""
     if cfg.model.path is None:
         raise ConfigError(
             "repro: set model.path to the Hugging Face folder of the policy that produced the "
@@ -28,6 +31,8 @@ def repro(cfg: RunConfig, batch_path: str, with_torch: bool) -> tuple[list[str],
         )
     batch, stored = load_batch(batch_path)
     settings = UpdateSettings.from_run_config(cfg)
+    if with_trl:
+        trl_grpo.check_settings(settings)  # before anything runs
     B, R = batch["responses"].shape
     lines = [f"batch {batch_path}: {B} responses, {R} response columns", f"settings: {settings}"]
     mine = settings.to_dict()
@@ -48,6 +53,10 @@ def repro(cfg: RunConfig, batch_path: str, with_torch: bool) -> tuple[list[str],
         stages += compare_updates(ours, ref, batch["response_mask"], tol)
     else:
         lines += ["gradient norms by parameter:", format_grad_table(ours.grads)]
+    if with_trl:
+        stages += trl_grpo.compare_with_trl(
+            ours, cfg.model.path, batch, settings, tol, cfg.model.dtype
+        )
     mask = batch["response_mask"]
     mode, L = settings.loss_agg_mode, cfg.rollout.max_response_len
     verl_d = float(algorithms.verl_loss_denominator(mask, mode, R))

@@ -1,18 +1,22 @@
-"""`jaxrl-tools`: demo, train, check, sft, eval, export, repro.
+"""`jaxrl-tools`: demo, train, check, plan, sft, eval, export, repro.
 
 Every subcommand takes `--config` (a YAML file or a shipped recipe name) and dotted overrides
 (`trainer.steps=10 optim.lr=1e-6`, `--trainer.steps 10`). A mistake in the config, the data,
 the model folder or the machine's set-up is one line, `jaxrl-tools: <what and how to fix it>`,
-and exit status 2. `repro` exits 1 when a stage differs past its tolerance.
+and exit status 2. `repro` exits 1 when a stage differs past its tolerance, `plan` when the run
+does not fit.
 """
 
 import argparse
+import dataclasses
 import logging
 import re
 import sys
 from pathlib import Path
 
-from jaxrl_tools import check, configs, run, smoke
+import jax
+
+from jaxrl_tools import check, configs, plan, run, sharding, smoke
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import load_config
 from jaxrl_tools.data import DataError
@@ -22,7 +26,16 @@ from jaxrl_tools.train.signals import RunInterrupted
 
 DEMO_CONFIG = "grpo_tool_math"
 # Options that take a value (kept with it when the dotted overrides are picked out of argv).
-_VALUE_OPTIONS = ("--config", "--out", "--step", "--baseline-reward", "--batch")
+_VALUE_OPTIONS = (
+    "--config",
+    "--out",
+    "--step",
+    "--baseline-reward",
+    "--batch",
+    "--mesh",
+    "--accelerator",
+    "--memory-gib",
+)
 _DOTTED_OPTION = re.compile(r"^--[A-Za-z_][\w\[\]]*[.\[][\w.\[\]]*(=.*)?$", re.DOTALL)
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][\w.\[\]]*=", re.DOTALL)
 # A user's mistake: printed as one line, no traceback.
@@ -71,6 +84,7 @@ def _dispatch(args, cfg) -> int | None:
         smoke.clear_outputs(cfg)
     if args.command == "check":
         summary = check.preflight(cfg)
+        plan.check_fits(cfg, run.make_mesh(cfg))
         what = f"{args.config or DEMO_CONFIG}" + (" (--smoke)" if args.smoke else "")
         print(f"jaxrl-tools check: {what} is ready to run (nothing was trained)")
         print(check.format_summary(summary))
@@ -97,11 +111,52 @@ def _dispatch(args, cfg) -> int | None:
                 print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
     elif args.command == "export":
         print(f"exported to {run.export(cfg, args.out, args.step)}")
+    elif args.command == "plan":
+        report = _plan(cfg, args)
+        print("\n".join(report.lines()))
+        return 0 if report.fits else 1
     elif args.command == "repro":
         lines, ok = repro(cfg, args.batch, with_torch=args.torch, with_trl=args.trl)
         print("\n".join(lines))
         return 0 if ok else 1
     return None
+
+
+def _plan(cfg, args) -> "plan.RunPlan":
+    shape = _mesh_shape(args.mesh) if args.mesh else cfg.trainer.mesh_shape
+    if args.memory_gib is not None:
+        hbm = int(args.memory_gib * 2**30)
+    elif args.accelerator:
+        hbm = plan.ACCELERATORS[args.accelerator]
+    else:
+        hbm = None
+    if (
+        shape is not None
+        and jax.devices()[0].platform == "cpu"
+        and len(jax.devices()) < (need := shape[0] * shape[1] * shape[2])
+    ):
+        raise ConfigError(
+            f"plan: the mesh {args.mesh or cfg.trainer.mesh} needs {need} devices and this host "
+            f"has {len(jax.devices())}: run it with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={need} (simulated CPU devices)"
+        )
+    mesh = run.make_mesh(
+        dataclasses.replace(
+            cfg,
+            trainer=dataclasses.replace(
+                cfg.trainer, mesh="x".join(map(str, shape)) if shape else "auto"
+            ),
+        )
+    ) or sharding.make_mesh((1, 1, 1))
+    return plan.plan_run(cfg, mesh, hbm or plan.device_memory(), search=True)
+
+
+def _mesh_shape(text: str) -> tuple[int, int, int]:
+    try:
+        d, f, t = (int(x) for x in text.lower().replace(" ", "").split("x"))
+    except ValueError:
+        raise ConfigError(f"--mesh must look like DxFxT (e.g. 1x8x1), got {text!r}") from None
+    return d, f, t
 
 
 def main(argv=None) -> int:
@@ -142,6 +197,14 @@ def main(argv=None) -> int:
         "lengths, tools, mesh, batch split, output folders) and print what it would do",
     )
     p.add_argument("--smoke", action="store_true", help="check the --smoke version of the run")
+    p = command(
+        "plan",
+        "per-device memory of the run's update, log-prob forward and decode step, compiled on "
+        "abstract shapes (no weights), whether it fits, and the largest micro-batch that does",
+    )
+    p.add_argument("--mesh", help="DxFxT (data x fsdp x tensor); default trainer.mesh")
+    p.add_argument("--accelerator", choices=sorted(plan.ACCELERATORS))
+    p.add_argument("--memory-gib", type=float, help="device memory to fit in, instead")
     p = command("sft", "the SFT stage alone; writes a Hugging Face folder")
     p.add_argument("--out", required=True)
     p = command("eval", "accuracy / pass@k and tool statistics on the eval data")

@@ -9,7 +9,8 @@ mesh can be simulated
 (`XLA_FLAGS=--xla_force_host_platform_device_count=8`): the figures are those of the CPU
 compiler's buffer assignment, an estimate of a GPU/TPU's (which fuses differently).
 
-The CLI command and the fit checks of `check` / `train` are not wired yet.
+`plan_run` does this for a run config (`jaxrl-tools plan`); `check` and `train` refuse a run
+whose plan does not fit an accelerator's memory (`fit_error`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_tools import models, sharding
-from jaxrl_tools.config import AlgorithmSection
+from jaxrl_tools.config import AlgorithmSection, ConfigError
 from jaxrl_tools.rollout.kernels import DecodeState, generate_kernel
 from jaxrl_tools.train import objectives
 from jaxrl_tools.train.state import (
@@ -233,3 +234,141 @@ def describe(figures: dict[str, Memory], hbm: int | None = None) -> list[str]:
             line += f" ({'fits' if m.peak <= hbm else 'does NOT fit'} in {gib(hbm)} GiB)"
         lines.append(line)
     return lines
+
+
+# ------------------------------------------------------------------------------------------------
+# A run's plan: its config's shapes on its mesh (`jaxrl-tools plan`, and the fit check of
+# `check` / `train` on an accelerator)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """A run's per-device memory and what it is compared with.
+
+    Attributes:
+      figures: Memory of the update, log-prob forward and decode step, per device.
+      mesh: (data, fsdp, tensor).
+      hbm: the device memory it must fit in (None: not known, e.g. a CPU host).
+      micro_batch_size: the config's rows per micro-batch (all devices).
+      largest_micro_batch: the largest power-of-two multiple of the config's data-parallel
+        width that fits (None when not searched).
+    """
+
+    figures: dict[str, Memory]
+    mesh: tuple[int, int, int]
+    hbm: int | None
+    micro_batch_size: int
+    largest_micro_batch: int | None = None
+
+    @property
+    def peak(self) -> int:
+        return max(m.peak for m in self.figures.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.hbm is None or self.peak <= self.hbm
+
+    def lines(self) -> list[str]:
+        d, f, t = self.mesh
+        out = [f"mesh {d}x{f}x{t} (data x fsdp x tensor), per device:"]
+        out += ["  " + line for line in describe(self.figures, self.hbm)]
+        if self.largest_micro_batch is not None:
+            out.append(
+                f"largest optim.micro_batch_size that fits: {self.largest_micro_batch} "
+                f"(configured: {self.micro_batch_size})"
+            )
+        return out
+
+
+def model_config(cfg) -> models.ModelConfig:
+    """The run's architecture without its weights: `config.json` of `model.path`, or the tiny
+    model with the tokenizer's vocabulary (`tokenizer.vocab_size` when it is not built yet)."""
+    if cfg.model.path is not None:
+        return models.load_config(cfg.model.path)
+    tiny = dataclasses.asdict(cfg.model.tiny)
+    tiny.pop("seed")
+    return models.ModelConfig(
+        **tiny,
+        vocab_size=cfg.tokenizer.vocab_size,
+        attention_bias=tiny["model_type"] == "qwen2",
+        qk_norm=tiny["model_type"] == "qwen3",
+    )
+
+
+def run_shapes(cfg) -> dict:
+    """plan_memory's shape arguments for one RL step of the run."""
+    r, o = cfg.rollout, cfg.optim
+    rows = cfg.data.batch_size * r.group_size // o.num_mini_batches
+    prefill = max(16, 1 << (r.max_prompt_len - 1).bit_length())  # the engine's prompt bucket
+    return dict(
+        micro_batch_size=o.micro_batch_size,
+        num_micro=max(1, rows // o.micro_batch_size),
+        seq_len=r.max_prompt_len + r.max_response_len,
+        slots=r.slots,
+        cache_len=prefill + r.max_response_len,
+        remat=cfg.model.remat_policy if cfg.model.remat else False,
+        attention=cfg.model.attention,
+        algorithm=cfg.algorithm,
+    )
+
+
+def plan_run(cfg, mesh, hbm: int | None = None, search: bool = False) -> RunPlan:
+    """Compiles the run's step functions on abstract shapes on `mesh` (no weights loaded).
+
+    With `search`, also finds the largest micro-batch that fits in `hbm` (one compile of the
+    update per doubling)."""
+    model_cfg = model_config(cfg)
+    shapes = run_shapes(cfg)
+    figures = plan_memory(model_cfg, mesh=mesh, dtypes=cfg.model.dtypes, **shapes)
+    shape = tuple(mesh.shape[a] for a in mesh.axis_names)
+    largest = None
+    if search and hbm is not None:
+        width = shape[0] * shape[1]  # rows of a micro-batch split over data x fsdp
+        rows = shapes["micro_batch_size"] * shapes["num_micro"]
+
+        def fits(b: int) -> bool:
+            trial = dict(shapes, micro_batch_size=b, num_micro=max(1, rows // b))
+            return (
+                plan_memory(model_cfg, mesh=mesh, dtypes=cfg.model.dtypes, **trial)["update"].peak
+                <= hbm
+            )
+
+        largest = largest_fitting_micro_batch(fits, width, max(rows, width))
+    return RunPlan(figures, shape, hbm, shapes["micro_batch_size"], largest)
+
+
+def device_memory() -> int | None:
+    """Bytes one accelerator can hold (None on a CPU host, where plans are not enforced)."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return None
+    stats = device.memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def fit_error(plan: RunPlan) -> str | None:
+    """The one-line refusal of a run that does not fit, naming the knobs to turn."""
+    if plan.fits:
+        return None
+    worst = max(plan.figures, key=lambda k: plan.figures[k].peak)
+    knob = {
+        "update": "lower optim.micro_batch_size, set model.remat: true, or widen trainer.mesh",
+        "logprobs": "lower optim.micro_batch_size or widen trainer.mesh",
+        "decode": "lower rollout.slots, set model.kv_cache_dtype: bfloat16, or widen trainer.mesh",
+    }[worst]
+    gib = lambda n: f"{n / 2**30:.1f} GiB"
+    return (
+        f"the run does not fit: its {worst} step needs {gib(plan.figures[worst].peak)} per device "
+        f"of {gib(plan.hbm)}: {knob} (details: jaxrl-tools plan --config ...)"
+    )
+
+
+def check_fits(cfg, mesh) -> None:
+    """On an accelerator, a ConfigError (one line) when the run's plan does not fit its memory;
+    on a CPU host nothing (host memory is not what XLA plans against)."""
+    hbm = device_memory()
+    if hbm is None:
+        return
+    error = fit_error(plan_run(cfg, mesh or sharding.make_mesh((1, 1, 1)), hbm))
+    if error:
+        raise ConfigError(error)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_tools import check, data, models, sharding
+from jaxrl_tools import check, data, models, plan, sharding
 from jaxrl_tools.config import ConfigError, RewardSpec, RunConfig
 from jaxrl_tools.demo import report, task
 from jaxrl_tools.eval import evaluate
@@ -244,6 +244,7 @@ def train(
     t = cfg.trainer
     run_dir = Path(t.log_dir)
     mesh = make_mesh(cfg)
+    plan.check_fits(cfg, mesh)  # on an accelerator: refuse a run that cannot fit, before loading
     tokenizer = setup_tokenizer(cfg)
     model_cfg, params = setup_model(cfg, tokenizer, mesh)
     reward = make_reward(cfg)

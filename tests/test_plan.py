@@ -4,6 +4,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import pytest
 from fakes import tiny_model_config
 
 from jaxrl_tools import models, plan, sharding
@@ -38,3 +39,72 @@ def test_plan_memory_accounts_for_master_weights_adam_and_bf16_cache():
     assert all(m.peak >= m.arguments for m in figures.values())
     lines = plan.describe(figures, plan.ACCELERATORS["v5e"])
     assert len(lines) == 3 and all("fits in 16.00 GiB" in line for line in lines)
+
+
+def _run_config(tmp_path):
+    import yaml
+    from fakes import TINY_RUN_MODEL
+
+    cfg = {
+        "model": {"tiny": TINY_RUN_MODEL},
+        "tokenizer": {"path": str(tmp_path / "tok"), "vocab_size": 300},
+        "data": {"task": "tool_arithmetic", "batch_size": 1},
+        "rollout": {"group_size": 4, "max_prompt_len": 48, "max_response_len": 16, "slots": 8},
+        "optim": {"micro_batch_size": 2},
+        "trainer": {"checkpoint_dir": str(tmp_path / "ckpt"), "log_dir": str(tmp_path / "logs")},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_plan_command_says_whether_the_run_fits_and_the_largest_micro_batch(
+    tmp_path, capsys, monkeypatch
+):
+    from jaxrl_tools.cli import main
+
+    compiled = []
+    plan_memory = plan.plan_memory
+    monkeypatch.setattr(
+        plan, "plan_memory", lambda *a, **kw: compiled.append(plan_memory(*a, **kw)) or compiled[-1]
+    )
+    path = _run_config(tmp_path)
+    assert main(["plan", "--config", str(path), "--memory-gib", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh 1x1x1 (data x fsdp x tensor), per device:" in out
+    assert out.count("fits in 4.00 GiB") == 3, out
+    # 4 rows a step: micro-batches of 1, 2 and 4 are tried, and all fit in 4 GiB.
+    assert "largest optim.micro_batch_size that fits: 4 (configured: 2)" in out
+    assert len(compiled) == 4  # the run's shapes, then the search's three
+
+    # The same figures against a smaller device (not compiled again): exit status 1.
+    monkeypatch.setattr(plan, "plan_memory", lambda *a, **kw: compiled[0])
+    assert main(["plan", "--config", str(path), "--memory-gib", "0.0001"]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit in 0.00 GiB" in out
+    assert "largest optim.micro_batch_size that fits: 0" in out
+
+    assert main(["plan", "--config", str(path), "--mesh", "1x8x1"]) == 2
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in capsys.readouterr().err
+
+
+def test_train_and_check_refuse_a_run_that_cannot_fit(tmp_path, capsys, monkeypatch):
+    # On an accelerator `device_memory` is its bytes_limit; pretend one of 1 MiB.
+    from jaxrl_tools import run
+    from jaxrl_tools.config import ConfigError
+    from jaxrl_tools.config_loader import load_config
+
+    monkeypatch.setattr(plan, "device_memory", lambda: 2**20)
+    cfg = load_config(_run_config(tmp_path), [])
+    try:
+        plan.check_fits(cfg, None)
+    except ConfigError as e:
+        message = str(e)
+    else:
+        raise AssertionError("a 1 MiB device took the run")
+    assert "the run does not fit: its update step needs" in message
+    assert "optim.micro_batch_size" in message and "\n" not in message
+    monkeypatch.setattr(run.check, "preflight", lambda cfg, **kw: None)  # no tokenizer here
+    with pytest.raises(ConfigError, match="does not fit"):
+        run.train(cfg)
+    assert not (tmp_path / "ckpt").exists()  # refused before anything was written

@@ -1,4 +1,4 @@
-"""`jaxrl-tools`: demo, train, check, plan, sft, eval, export, repro.
+"""`jaxrl-tools`: demo, train, check, plan, sft, eval, export, repro, serve.
 
 Every subcommand takes `--config` (a YAML file or a shipped recipe name) and dotted overrides
 (`trainer.steps=10 optim.lr=1e-6`, `--trainer.steps 10`). A mistake in the config, the data,
@@ -35,6 +35,7 @@ _VALUE_OPTIONS = (
     "--mesh",
     "--accelerator",
     "--memory-gib",
+    "--port",
 )
 _DOTTED_OPTION = re.compile(r"^--[A-Za-z_][\w\[\]]*[.\[][\w.\[\]]*(=.*)?$", re.DOTALL)
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][\w.\[\]]*=", re.DOTALL)
@@ -115,6 +116,12 @@ def _dispatch(args, cfg) -> int | None:
         report = _plan(cfg, args)
         print("\n".join(report.lines()))
         return 0 if report.fits else 1
+    elif args.command == "serve":
+        from jaxrl_tools.serve import start_server  # noqa: PLC0415  (the [serve] extra)
+
+        server = start_server(cfg, from_checkpoint=args.checkpoint, step=args.step, port=args.port)
+        print(f"jaxrl-tools serve: JetStream gRPC on port {args.port} (Ctrl-C stops)", flush=True)
+        server.wait_for_termination()
     elif args.command == "repro":
         lines, ok = repro(cfg, args.batch, with_torch=args.torch, with_trl=args.trl)
         print("\n".join(lines))
@@ -205,6 +212,14 @@ def main(argv=None) -> int:
     p.add_argument("--mesh", help="DxFxT (data x fsdp x tensor); default trainer.mesh")
     p.add_argument("--accelerator", choices=sorted(plan.ACCELERATORS))
     p.add_argument("--memory-gib", type=float, help="device memory to fit in, instead")
+    p = command(
+        "serve",
+        "serve the policy (model.path, or the run's checkpoint) through JetStream's gRPC "
+        "orchestrator; text requests get the recipe's chat template (the [serve] extra)",
+    )
+    p.add_argument("--checkpoint", action="store_true", help="serve the run's checkpoint")
+    p.add_argument("--step", type=int)
+    p.add_argument("--port", type=int, default=9000)
     p = command("sft", "the SFT stage alone; writes a Hugging Face folder")
     p.add_argument("--out", required=True)
     p = command("eval", "accuracy / pass@k and tool statistics on the eval data")

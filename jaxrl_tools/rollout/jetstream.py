@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -71,14 +71,24 @@ def _classes():
         Args:
           tokenizer: the HF tokenizer.
           stop_ids: token ids that end generation (default: EOS).
+          render: text -> the prompt text to tokenize (e.g. the chat template around a user
+            message, `jaxrl_tools.serve`); None tokenizes the text as it is.
         """
 
-        def __init__(self, tokenizer, stop_ids: Sequence[int] | None = None):
+        def __init__(
+            self,
+            tokenizer,
+            stop_ids: Sequence[int] | None = None,
+            render: Callable[[str], str] | None = None,
+        ):
             self.hf = tokenizer
             self._stop = set(stop_ids) if stop_ids else {self.eos_id}
+            self.render = render
 
         def encode(self, s: str, **kwargs):
             is_bos = kwargs.pop("is_bos", False) and self.bos_id is not None
+            if self.render is not None:
+                s = self.render(s)
             ids = np.asarray(self.hf.encode(s, add_special_tokens=False), np.int32)
             return token_utils.pad_tokens(
                 ids,
@@ -111,7 +121,12 @@ def _classes():
             return set(self._stop)
 
     class DecodeEngine(EngineCore, engine_api.Engine):
-        """`EngineCore` as a `jetstream.engine.engine_api.Engine` (servable by its Driver)."""
+        """`EngineCore` as a `jetstream.engine.engine_api.Engine` (servable by its Driver).
+
+        `render_prompt` (text -> prompt text), when set, is applied by the tokenizer JetStream
+        builds to requests that arrive as text."""
+
+        render_prompt: Callable[[str], str] | None = None
 
         def generate(self, params: Params, decode_state: DecodeState):
             """Engine API step: `steps_per_generate` tokens per slot as JetStream ResultTokens.
@@ -142,7 +157,7 @@ def _classes():
                 if not metadata.path:
                     raise ValueError("build_tokenizer: the engine has no tokenizer and no path")
                 tok = transformers.AutoTokenizer.from_pretrained(metadata.path)
-            return HFTokenizer(tok, stop_ids=self.eos_token_ids or None)
+            return HFTokenizer(tok, stop_ids=self.eos_token_ids or None, render=self.render_prompt)
 
     return DecodeEngine, HFTokenizer
 

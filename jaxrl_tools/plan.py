@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -212,6 +213,47 @@ def plan_memory(
     return {k: Memory.of(v) for k, v in out.items()}
 
 
+def _device_bytes(shapes, shardings) -> int:
+    """Bytes one device holds of a tree of shapes under its shardings (the largest shard)."""
+    return sum(
+        math.prod(sh.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+        for x, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings))
+    )
+
+
+def resident_bytes(model_cfg: models.ModelConfig, *, mesh, dtypes: models.DTypePolicy, rules=None):
+    """Per device, what stays allocated across a step's phases: the train state (master
+    weights, AdamW moments; `state`), the master weights alone (`params`), and the engine's
+    compute-dtype copy of the weights (`serving`: 0 when it is the master weights themselves)."""
+    shapes = models.param_shapes(model_cfg, dtypes.param_dtype)
+    param_sh = sharding.tree_shardings(models.logical_axes(model_cfg), mesh, rules, shapes=shapes)
+    optimizer = make_optimizer(1e-6, total_steps=1)
+    state_shapes = jax.eval_shape(lambda p: create_train_state(p, optimizer, 0), shapes)
+    state_sh = train_state_shardings(state_shapes, param_sh, mesh)
+    params = _device_bytes(shapes, param_sh)
+    same = jnp.dtype(dtypes.compute_dtype) == jnp.dtype(dtypes.param_dtype)
+    serving = (
+        0
+        if same
+        else params
+        * jnp.dtype(dtypes.compute_dtype).itemsize
+        // jnp.dtype(dtypes.param_dtype).itemsize
+    )
+    return {"state": _device_bytes(state_shapes, state_sh), "params": params, "serving": serving}
+
+
+def phase_totals(figures: dict[str, Memory], resident: dict[str, int]) -> dict[str, int]:
+    """Each phase's peak plus what the other phases keep allocated meanwhile: the engine's
+    serving copy during the update and log-prob passes, the train state during the log-prob
+    pass (beyond the weights it reads) and during decoding (which reads the serving copy)."""
+    state, params, serving = resident["state"], resident["params"], resident["serving"]
+    return {
+        "update": figures["update"].peak + serving,
+        "logprobs": figures["logprobs"].peak + state - params + serving,
+        "decode": figures["decode"].peak + state - (0 if serving else params),
+    }
+
+
 def largest_fitting_micro_batch(fits, start: int, limit: int) -> int:
     """The largest power-of-two multiple of `start` up to `limit` for which `fits(b)` holds
     (0 when `start` does not fit); `fits` is monotone in b."""
@@ -221,8 +263,11 @@ def largest_fitting_micro_batch(fits, start: int, limit: int) -> int:
     return best
 
 
-def describe(figures: dict[str, Memory], hbm: int | None = None) -> list[str]:
-    """One line per function: arguments / temporaries / peak in GiB (and whether it fits)."""
+def describe(
+    figures: dict[str, Memory], hbm: int | None = None, totals: dict[str, int] | None = None
+) -> list[str]:
+    """One line per function: arguments / temporaries / peak in GiB, with `totals` the phase's
+    total with what else stays allocated (`phase_totals`), and whether that fits in `hbm`."""
     gib = lambda n: f"{n / 2**30:.2f}"
     lines = []
     for name, m in figures.items():
@@ -230,8 +275,11 @@ def describe(figures: dict[str, Memory], hbm: int | None = None) -> list[str]:
             f"{name:<9} arguments {gib(m.arguments)} GiB, temporaries {gib(m.temporaries)} GiB, "
             f"peak {gib(m.peak)} GiB per device"
         )
+        need = m.peak if totals is None else totals[name]
+        if totals is not None:
+            line += f"; with the rest resident {gib(need)} GiB"
         if hbm is not None:
-            line += f" ({'fits' if m.peak <= hbm else 'does NOT fit'} in {gib(hbm)} GiB)"
+            line += f" ({'fits' if need <= hbm else 'does NOT fit'} in {gib(hbm)} GiB)"
         lines.append(line)
     return lines
 
@@ -247,6 +295,8 @@ class RunPlan:
 
     Attributes:
       figures: Memory of the update, log-prob forward and decode step, per device.
+      totals: each phase's bytes per device with what stays allocated meanwhile
+        (`phase_totals`): what must fit.
       mesh: (data, fsdp, tensor).
       hbm: the device memory it must fit in (None: not known, e.g. a CPU host).
       micro_batch_size: the config's rows per micro-batch (all devices).
@@ -255,6 +305,7 @@ class RunPlan:
     """
 
     figures: dict[str, Memory]
+    totals: dict[str, int]
     mesh: tuple[int, int, int]
     hbm: int | None
     micro_batch_size: int
@@ -262,7 +313,7 @@ class RunPlan:
 
     @property
     def peak(self) -> int:
-        return max(m.peak for m in self.figures.values())
+        return max(self.totals.values())
 
     @property
     def fits(self) -> bool:
@@ -271,7 +322,7 @@ class RunPlan:
     def lines(self) -> list[str]:
         d, f, t = self.mesh
         out = [f"mesh {d}x{f}x{t} (data x fsdp x tensor), per device:"]
-        out += ["  " + line for line in describe(self.figures, self.hbm)]
+        out += ["  " + line for line in describe(self.figures, self.hbm, self.totals)]
         if self.largest_micro_batch is not None:
             out.append(
                 f"largest optim.micro_batch_size that fits: {self.largest_micro_batch} "
@@ -320,6 +371,8 @@ def plan_run(cfg, mesh, hbm: int | None = None, search: bool = False) -> RunPlan
     model_cfg = model_config(cfg)
     shapes = run_shapes(cfg)
     figures = plan_memory(model_cfg, mesh=mesh, dtypes=cfg.model.dtypes, **shapes)
+    resident = resident_bytes(model_cfg, mesh=mesh, dtypes=cfg.model.dtypes)
+    totals = phase_totals(figures, resident)
     shape = tuple(mesh.shape[a] for a in mesh.axis_names)
     largest = None
     if search and hbm is not None:
@@ -334,7 +387,7 @@ def plan_run(cfg, mesh, hbm: int | None = None, search: bool = False) -> RunPlan
             )
 
         largest = largest_fitting_micro_batch(fits, width, max(rows, width))
-    return RunPlan(figures, shape, hbm, shapes["micro_batch_size"], largest)
+    return RunPlan(figures, totals, shape, hbm, shapes["micro_batch_size"], largest)
 
 
 def device_memory() -> int | None:
@@ -350,7 +403,7 @@ def fit_error(plan: RunPlan) -> str | None:
     """The one-line refusal of a run that does not fit, naming the knobs to turn."""
     if plan.fits:
         return None
-    worst = max(plan.figures, key=lambda k: plan.figures[k].peak)
+    worst = max(plan.totals, key=plan.totals.get)
     knob = {
         "update": "lower optim.micro_batch_size, set model.remat: true, or widen trainer.mesh",
         "logprobs": "lower optim.micro_batch_size or widen trainer.mesh",
@@ -358,7 +411,7 @@ def fit_error(plan: RunPlan) -> str | None:
     }[worst]
     gib = lambda n: f"{n / 2**30:.1f} GiB"
     return (
-        f"the run does not fit: its {worst} step needs {gib(plan.figures[worst].peak)} per device "
+        f"the run does not fit: its {worst} step needs {gib(plan.totals[worst])} per device "
         f"of {gib(plan.hbm)}: {knob} (details: jaxrl-tools plan --config ...)"
     )
 

@@ -1,6 +1,7 @@
 """jaxrl_tools.plan: compiled memory figures account for the state, the batch and the KV cache."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,23 @@ def test_plan_memory_accounts_for_master_weights_adam_and_bf16_cache():
     assert all(m.peak >= m.arguments for m in figures.values())
     lines = plan.describe(figures, plan.ACCELERATORS["v5e"])
     assert len(lines) == 3 and all("fits in 16.00 GiB" in line for line in lines)
+
+
+def test_resident_state_and_serving_copy_are_added_to_each_phase():
+    cfg = tiny_model_config()
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(models.param_shapes(cfg)))
+    mesh = sharding.make_mesh((1, -1, 1))
+    fp32 = plan.resident_bytes(cfg, mesh=mesh, dtypes=models.DTypePolicy())
+    bf16 = plan.resident_bytes(cfg, mesh=mesh, dtypes=models.DTypePolicy(compute="bfloat16"))
+    assert fp32["params"] == bf16["params"] == 4 * n
+    assert 12 * n <= fp32["state"] <= 12 * n + 64  # weights, mu, nu (+ counters)
+    assert fp32["serving"] == 0 and bf16["serving"] == 2 * n  # fp32 serves the weights themselves
+    m = plan.Memory(arguments=100, outputs=10, temporaries=50, aliased=0)
+    figures = {"update": m, "logprobs": m, "decode": m}
+    t32, t16 = plan.phase_totals(figures, fp32), plan.phase_totals(figures, bf16)
+    assert t32["update"] == 160 and t16["update"] == 160 + 2 * n
+    assert t32["decode"] == 160 + fp32["state"] - 4 * n and t16["decode"] == 160 + bf16["state"]
+    assert t32["logprobs"] == 160 + fp32["state"] - 4 * n
 
 
 def _run_config(tmp_path):
@@ -102,7 +120,7 @@ def test_train_and_check_refuse_a_run_that_cannot_fit(tmp_path, capsys, monkeypa
         message = str(e)
     else:
         raise AssertionError("a 1 MiB device took the run")
-    assert "the run does not fit: its update step needs" in message
+    assert re.match(r"the run does not fit: its (update|logprobs|decode) step needs", message)
     assert "optim.micro_batch_size" in message and "\n" not in message
     monkeypatch.setattr(run.check, "preflight", lambda cfg, **kw: None)  # no tokenizer here
     with pytest.raises(ConfigError, match="does not fit"):

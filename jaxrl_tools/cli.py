@@ -119,7 +119,9 @@ def _dispatch(args, cfg) -> int | None:
     elif args.command == "serve":
         from jaxrl_tools.serve import start_server  # noqa: PLC0415  (the [serve] extra)
 
-        server = start_server(cfg, from_checkpoint=args.checkpoint, step=args.step, port=args.port)
+        server = start_server(
+            cfg, from_checkpoint=args.checkpoint, step=args.step, port=args.port, tools=args.tools
+        )
         print(f"jaxrl-tools serve: JetStream gRPC on port {args.port} (Ctrl-C stops)", flush=True)
         server.wait_for_termination()
     elif args.command == "repro":
@@ -220,6 +222,11 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", action="store_true", help="serve the run's checkpoint")
     p.add_argument("--step", type=int)
     p.add_argument("--port", type=int, default=9000)
+    p.add_argument(
+        "--tools",
+        action="store_true",
+        help="run the recipe's tools server-side, in the sandbox (the agent loop per request)",
+    )
     p = command("sft", "the SFT stage alone; writes a Hugging Face folder")
     p.add_argument("--out", required=True)
     p = command("eval", "accuracy / pass@k and tool statistics on the eval data")

@@ -16,18 +16,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxrl_tools import algorithms, models, rewards, tools
+from jaxrl_tools import algorithms, envs, models, rewards, tools
+from jaxrl_tools.train.lora import DECODE_MODES as LORA_DECODE_MODES
 from jaxrl_tools.train.state import SCHEDULES
 
 PROTOCOLS = (*sorted(tools.PARSERS), "none")
-# What provides each advantage-estimator input beyond scores and the loss mask (the trainer
-# builds the first two; the others need parts not built yet).
+# What provides each advantage-estimator input beyond scores and the loss mask (the greedy
+# baseline rollout is always available: the sampler runs it when the estimator reads it).
 ADVANTAGE_INPUT_SOURCES = {
     "values_BT": "a critic (critic.enabled: true)",
     "kl_BT": "algorithm.kl_in_reward with kl_coef > 0",
-    "baseline_B": "a greedy baseline rollout per prompt (not built yet)",
-    "step_rewards_BS": "multi-turn environment steps (not built yet)",
+    "step_rewards_BS": "multi-turn environment steps (an env section: env.name)",
 }
+STEP_INPUTS = {"step_rewards_BS", "step_mask_BS", "anchor_ids_BS", "token_step_BT"}
 
 
 class ConfigError(ValueError):
@@ -95,6 +96,41 @@ class TinyModelConfig:
 
 
 @dataclass(frozen=True)
+class LoraSection:
+    """LoRA adapters on the policy (`models.lora`): only they are trained; the base is frozen,
+    is the KL reference, and is decoded with the adapters merged in (`decode: merged`, once per
+    update) or applied per token (`decode: adapters`, no second copy of the weights)."""
+
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = 16.0  # scale = alpha / rank
+    dropout: float = 0.0  # on the adapters' input, in the training loss only
+    targets: tuple[str, ...] = tuple(models.LORA_TARGETS)  # q/k/v/o_proj, gate/up/down_proj
+    decode: str = "merged"  # merged | adapters
+    init_from: str | None = None  # a PEFT adapter folder to continue training from
+
+    def __post_init__(self):
+        _check(self.rank >= 1, "model.lora.rank", f"must be >= 1, got {self.rank}")
+        _check(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}")
+        _check(
+            0 <= self.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {self.dropout}"
+        )
+        _check(bool(self.targets), "model.lora.targets", "must name at least one projection")
+        for t in self.targets:
+            _check_choice(t, "model.lora.targets[]", tuple(models.LORA_TARGETS))
+        dup = sorted({t for t in self.targets if self.targets.count(t) > 1})
+        _check(not dup, "model.lora.targets", f"has duplicates {dup}")
+        _check_choice(self.decode, "model.lora.decode", LORA_DECODE_MODES)
+
+    @property
+    def config(self) -> models.LoraConfig | None:
+        """The adapters' `models.LoraConfig`, or None when LoRA is off."""
+        if not self.enabled:
+            return None
+        return models.LoraConfig(self.rank, self.alpha, self.dropout, self.targets)
+
+
+@dataclass(frozen=True)
 class ModelSection:
     """The policy: an HF folder (`path`) or, when `path` is null, a `tiny` random-init model."""
 
@@ -109,6 +145,7 @@ class ModelSection:
     attention: str = "auto"  # models.attention.IMPLS: auto | dense | chunked | cudnn | pallas
     remat: bool = False  # rematerialise decoder layers in the update (memory for compute)
     remat_policy: str = "layer"  # with remat: "layer" recomputes everything, "dots" not matmuls
+    lora: LoraSection = field(default_factory=LoraSection)  # off by default
 
     def __post_init__(self):
         _check_choice(self.remat_policy, "model.remat_policy", ("layer", "dots"))
@@ -201,7 +238,7 @@ class RolloutSection:
     max_prompt_len: int = 512
     max_response_len: int = 1024  # model + observation tokens of one response
     max_tool_calls: int = 3  # C: later calls are answered with a budget notice
-    max_turns: int = 4
+    max_turns: int = 4  # model turns per response (with an env section, env.max_turns rules)
     chunk_size: int = 32  # tokens decoded per jitted chunk before the host looks for tool calls
     slots: int = 64  # concurrent sequences in the decode engine's KV cache
     max_obs_tokens: int = 512  # observation cap (head + ... + tail)
@@ -270,6 +307,67 @@ def _check_tool(spec: ToolSpec, where: str) -> None:
             )
 
 
+ENV_HISTORY = ("full", "last_k", "state")
+
+
+@dataclass(frozen=True)
+class EnvSection:
+    """A multi-turn environment (`jaxrl_tools.envs`): every prompt is one episode.
+
+    Episodes replace the data files: the prompt is the environment's instructions and first
+    observation, and the G samples of a prompt share its seed (one start state per group, as
+    GiGPO's anchor states need). Training seeds are `seed`, `seed + 1`, ...; held-out seeds
+    start at `seed + envs.EVAL_SEED_OFFSET`. Grid games (sokoban, frozenlake) are played in
+    RAGEN turns (`<think>..</think><answer>..</answer>`).
+
+    Context: each episode is one sequence holding its whole history (`history: full`). Budget
+    (`context_budget`, prompt + response tokens): an episode whose next turn or observation
+    would pass it ends there (finish reason "budget"); nothing is cut from the middle and no
+    earlier turn is dropped; the turns played keep their rewards, and a turn cut mid-way gets
+    no environment step (step mask 0).
+    """
+
+    name: str | None = None  # a registered environment (envs.env_names()); null = none
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the environment's constructor's
+    max_turns: int = 5  # turns per episode (the environment ends the episode after these)
+    max_actions_per_turn: int = 1  # grid games: actions taken from one answer (RAGEN)
+    format_penalty: float = -0.1  # grid games: reward of a turn not in RAGEN's form
+    history: str = "full"  # what the model sees each turn; only "full" is built
+    context_budget: int | None = None  # prompt + response tokens per episode (null: engine's)
+    seed: int = 0  # first training episode seed
+    train_episodes: int = 2000  # distinct training seeds (repeated by the loader)
+    eval_episodes: int = 64  # held-out seeds
+    sandbox_workers: int = 2  # sandbox pool of environments that run code (refine)
+
+    def __post_init__(self):
+        if self.name is None:
+            return
+        _check_choice(self.name, "env.name", envs.env_names())
+        _check_choice(self.history, "env.history", ENV_HISTORY)
+        _check(
+            self.history == "full",
+            "env.history",
+            f"is {self.history!r}, which is not built yet: the rollout keeps each episode in "
+            "one sequence, so only 'full' history is supported",
+        )
+        _at_least(self, "env", 1, "max_turns", "max_actions_per_turn", "train_episodes")
+        _at_least(self, "env", 1, "eval_episodes", "sandbox_workers")
+        _check(
+            self.context_budget is None or self.context_budget >= 2,
+            "env.context_budget",
+            "must be >= 2 tokens (or null)",
+        )
+        valid = envs.env_kwargs(self.name)
+        for key in self.kwargs:
+            if key not in valid:
+                hint = difflib.get_close_matches(str(key), valid, n=1)
+                extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+                raise ConfigError(
+                    f"env.kwargs has unknown key {key!r} for environment {self.name!r}{extra}; "
+                    f"valid keys: {valid}"
+                )
+
+
 @dataclass(frozen=True)
 class FiltersSection:
     """Group filters applied before the update."""
@@ -280,8 +378,14 @@ class FiltersSection:
     zerotir: bool = False  # keep groups whose accuracy is in [low, high]
     zerotir_low: float = 0.2
     zerotir_high: float = 0.8
+    # DAPO: sampling rounds per RL step while dynamic_sampling leaves the batch short of groups
+    # (the metric filter/sampling_rounds reports how many ran); 1 = no resampling.
+    max_sampling_rounds: int = 1
 
     def __post_init__(self):
+        _check(
+            self.max_sampling_rounds >= 1, "algorithm.filters.max_sampling_rounds", "must be >= 1"
+        )
         _check(
             0 < self.starpo_keep_frac <= 1,
             "algorithm.filters.starpo_keep_frac",
@@ -315,6 +419,8 @@ class AlgorithmSection:
     vapo_alpha: float = 0.05  # VAPO length-adaptive λ = 1 - 1/(α·|o|)
     nll_coef: float = 0.0  # VAPO positive-example NLL weight (0.1 in the paper)
     gigpo_omega: float = 1.0
+    turn_gamma: float = 0.4  # Kevin: a turn's return = its score + turn_gamma x the next turn's
+    turn_group_norm: bool = True  # Kevin: normalise turn returns over the prompt's group
     filters: FiltersSection = field(default_factory=FiltersSection)
 
     def __post_init__(self):
@@ -343,6 +449,11 @@ class AlgorithmSection:
         _check(self.entropy_coef >= 0, "algorithm.entropy_coef", "must be >= 0")
         _check(0 <= self.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {self.gamma}")
         _check(0 <= self.lam <= 1, "algorithm.lam", f"must be in [0, 1], got {self.lam}")
+        _check(
+            0 <= self.turn_gamma <= 1,
+            "algorithm.turn_gamma",
+            f"must be in [0, 1], got {self.turn_gamma}",
+        )
         _check(self.vapo_alpha > 0, "algorithm.vapo_alpha", "must be > 0")
         _check(self.nll_coef >= 0, "algorithm.nll_coef", "must be >= 0")
 
@@ -503,6 +614,7 @@ class RunConfig:
     critic: CriticSection = field(default_factory=CriticSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     sft: SFTSection = field(default_factory=SFTSection)
+    env: EnvSection = field(default_factory=EnvSection)
 
     def __post_init__(self):
         est, r = self.algorithm.adv_estimator, self.rollout
@@ -536,6 +648,9 @@ class RunConfig:
         for i, spec in enumerate(self.tools):
             _check_tool(spec, f"tools[{i}]")
         given = {"values_BT"} if self.critic.enabled else set()
+        given.add("baseline_B")  # the sampler's greedy rollout (ReMax)
+        if self.env.name is not None:
+            given |= STEP_INPUTS
         if self.algorithm.kl_in_reward and self.algorithm.kl_coef > 0:
             given.add("kl_BT")
         est = self.algorithm.adv_estimator

@@ -25,14 +25,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_tools import models, sharding
 from jaxrl_tools.config import AlgorithmSection, ConfigError
+from jaxrl_tools.models.lora import lora_shapes
 from jaxrl_tools.rollout.kernels import DecodeState, generate_kernel
 from jaxrl_tools.train import objectives
+from jaxrl_tools.train.lora import make_lora_update
 from jaxrl_tools.train.state import (
     create_train_state,
     make_optimizer,
     make_update,
     train_state_shardings,
 )
+
+FUNCTIONS = ("update", "logprobs", "decode")  # what `plan_memory` compiles
 
 # Device memory of the accelerators `plan` knows, in bytes.
 ACCELERATORS = {
@@ -86,6 +90,8 @@ def plan_memory(
     attention: str = "auto",
     algorithm: AlgorithmSection | None = None,
     rules=None,
+    lora: models.LoraConfig | None = None,
+    functions: tuple[str, ...] = FUNCTIONS,
 ) -> dict[str, Memory]:
     """Compiles the update, the log-prob forward and a decode step on abstract shapes.
 
@@ -99,17 +105,24 @@ def plan_memory(
       remat, attention: as in the model (`models.hidden_states`).
       algorithm: the loss's settings (default: GRPO without KL).
       rules: logical -> mesh axes table.
+      lora: train LoRA adapters (the state holds them; the base is a frozen argument of the
+        update, in the compute dtype, and decoding reads a merged copy of the same shapes).
+      functions: which of the three to compile.
 
     Returns:
-      {"update": Memory, "logprobs": Memory, "decode": Memory}, per device.
+      {"update": Memory, "logprobs": Memory, "decode": Memory} (those of `functions`), per
+      device.
     """
     param_shapes = models.param_shapes(model_cfg, dtypes.param_dtype)
     param_sh = sharding.tree_shardings(
         models.logical_axes(model_cfg), mesh, rules, shapes=param_shapes
     )
     optimizer = make_optimizer(1e-6, total_steps=1)
-    state_shapes = jax.eval_shape(lambda p: create_train_state(p, optimizer, 0), param_shapes)
-    state_sh = train_state_shardings(state_shapes, param_sh, mesh)
+    trained, trained_sh, frozen, policy, policy_sh = _trained(
+        model_cfg, param_shapes, param_sh, mesh, dtypes, rules, lora
+    )
+    state_shapes = jax.eval_shape(lambda p: create_train_state(p, optimizer, 0), trained)
+    state_sh = train_state_shardings(state_shapes, trained_sh, mesh)
     batch_axes = sharding.logical_to_spec(("batch",), rules)[0]
     micro_sh = NamedSharding(mesh, PartitionSpec(None, batch_axes))
     rows_sh = NamedSharding(mesh, PartitionSpec(batch_axes))
@@ -122,9 +135,11 @@ def plan_memory(
     def loss_in_compute(params, mb, denom):
         return loss(dtypes.cast_for_compute(params), mb, denom, attention=attention)
 
-    update = make_update(
-        loss_in_compute, optimizer, denoms_fn=functools.partial(objectives.actor_denominator, pcfg)
-    )
+    denoms = functools.partial(objectives.actor_denominator, pcfg)
+    if lora is None:
+        update = make_update(loss_in_compute, optimizer, denoms_fn=denoms)
+    else:
+        update = make_lora_update(loss_in_compute, optimizer, lora, denoms_fn=denoms)
     M, b, T = num_micro, micro_batch_size, seq_len
     batch = {
         "tokens": _struct((M, b, T), jnp.int32),
@@ -189,28 +204,39 @@ def plan_memory(
             hook=None,
         )
 
+    lowered = {
+        "update": lambda: jax.jit(
+            update,
+            in_shardings=(state_sh, batch_sh, *([param_sh] if lora else [])),
+            out_shardings=(state_sh, replicated),
+            donate_argnums=0,
+        ).lower(state_shapes, batch, *([frozen] if lora else [])),
+        "logprobs": lambda: jax.jit(
+            logprobs,
+            in_shardings=(policy_sh, jax.tree.map(lambda _: rows_sh, seqs)),
+            out_shardings=(rows_sh, rows_sh),
+        ).lower(policy, seqs),
+        "decode": lambda: jax.jit(
+            decode, in_shardings=(compute_sh, state_dec_sh), donate_argnums=1
+        ).lower(compute_shapes, state),
+    }
     with sharding.use_mesh(mesh, rules):
-        out = {
-            "update": jax.jit(
-                update,
-                in_shardings=(state_sh, batch_sh),
-                out_shardings=(state_sh, replicated),
-                donate_argnums=0,
-            )
-            .lower(state_shapes, batch)
-            .compile(),
-            "logprobs": jax.jit(
-                logprobs,
-                in_shardings=(param_sh, jax.tree.map(lambda _: rows_sh, seqs)),
-                out_shardings=(rows_sh, rows_sh),
-            )
-            .lower(param_shapes, seqs)
-            .compile(),
-            "decode": jax.jit(decode, in_shardings=(compute_sh, state_dec_sh), donate_argnums=1)
-            .lower(compute_shapes, state)
-            .compile(),
-        }
-    return {k: Memory.of(v) for k, v in out.items()}
+        return {name: Memory.of(lowered[name]().compile()) for name in functions}
+
+
+def _trained(model_cfg, param_shapes, param_sh, mesh, dtypes, rules, lora):
+    """(trained shapes, their shardings, the frozen base or None, the policy the log-prob pass
+    reads, its shardings): the weights for full fine-tuning; adapters over a compute-dtype
+    base with LoRA."""
+    if lora is None:
+        return param_shapes, param_sh, None, param_shapes, param_sh
+    adapters = lora_shapes(model_cfg, lora, dtypes.param_dtype)
+    adapters_sh = sharding.tree_shardings(
+        models.lora_logical_axes(lora), mesh, rules, shapes=adapters
+    )
+    base = models.param_shapes(model_cfg, dtypes.compute_dtype)
+    policy = models.with_lora(base, adapters, lora)
+    return adapters, adapters_sh, base, policy, models.with_lora(param_sh, adapters_sh, lora)
 
 
 def _device_bytes(shapes, shardings) -> int:
@@ -221,36 +247,62 @@ def _device_bytes(shapes, shardings) -> int:
     )
 
 
-def resident_bytes(model_cfg: models.ModelConfig, *, mesh, dtypes: models.DTypePolicy, rules=None):
-    """Per device, what stays allocated across a step's phases: the train state (master
-    weights, AdamW moments; `state`), the master weights alone (`params`), and the engine's
-    compute-dtype copy of the weights (`serving`: 0 when it is the master weights themselves)."""
+def resident_bytes(
+    model_cfg: models.ModelConfig,
+    *,
+    mesh,
+    dtypes: models.DTypePolicy,
+    rules=None,
+    lora: models.LoraConfig | None = None,
+    lora_decode: str = "merged",
+) -> dict[str, int]:
+    """Per device, what stays allocated across a step's phases.
+
+    Returns:
+      {"state": the train state (trained weights and their AdamW moments),
+       "frozen": LoRA's base weights (0 without LoRA),
+       "read": the resident weights the log-prob pass takes as arguments,
+       "serving": the engine's own copy of the weights (compute dtype; 0 when it decodes the
+         resident weights themselves: float32 full fine-tuning, LoRA with `decode: adapters`),
+       "decode_reads": the resident weights decoding takes as arguments (0 with a copy)}.
+    """
     shapes = models.param_shapes(model_cfg, dtypes.param_dtype)
     param_sh = sharding.tree_shardings(models.logical_axes(model_cfg), mesh, rules, shapes=shapes)
-    optimizer = make_optimizer(1e-6, total_steps=1)
-    state_shapes = jax.eval_shape(lambda p: create_train_state(p, optimizer, 0), shapes)
-    state_sh = train_state_shardings(state_shapes, param_sh, mesh)
-    params = _device_bytes(shapes, param_sh)
-    same = jnp.dtype(dtypes.compute_dtype) == jnp.dtype(dtypes.param_dtype)
-    serving = (
-        0
-        if same
-        else params
-        * jnp.dtype(dtypes.compute_dtype).itemsize
-        // jnp.dtype(dtypes.param_dtype).itemsize
+    trained, trained_sh, frozen, policy, policy_sh = _trained(
+        model_cfg, shapes, param_sh, mesh, dtypes, rules, lora
     )
-    return {"state": _device_bytes(state_shapes, state_sh), "params": params, "serving": serving}
+    optimizer = make_optimizer(1e-6, total_steps=1)
+    state_shapes = jax.eval_shape(lambda p: create_train_state(p, optimizer, 0), trained)
+    state = _device_bytes(state_shapes, train_state_shardings(state_shapes, trained_sh, mesh))
+    compute = models.param_shapes(model_cfg, dtypes.compute_dtype)
+    compute_bytes = _device_bytes(compute, param_sh)
+    if lora is None:
+        same = jnp.dtype(dtypes.compute_dtype) == jnp.dtype(dtypes.param_dtype)
+        serving = 0 if same else compute_bytes
+        frozen_bytes, decode_reads = 0, (_device_bytes(shapes, param_sh) if same else 0)
+    else:
+        frozen_bytes = _device_bytes(frozen, param_sh)
+        serving = compute_bytes if lora_decode == "merged" else 0
+        decode_reads = 0 if serving else frozen_bytes
+    return {
+        "state": state,
+        "frozen": frozen_bytes,
+        "read": _device_bytes(policy, policy_sh),
+        "serving": serving,
+        "decode_reads": decode_reads,
+    }
 
 
 def phase_totals(figures: dict[str, Memory], resident: dict[str, int]) -> dict[str, int]:
     """Each phase's peak plus what the other phases keep allocated meanwhile: the engine's
-    serving copy during the update and log-prob passes, the train state during the log-prob
-    pass (beyond the weights it reads) and during decoding (which reads the serving copy)."""
-    state, params, serving = resident["state"], resident["params"], resident["serving"]
+    serving copy during the update and log-prob passes, the train state and LoRA's base during
+    the log-prob pass (beyond the weights it reads) and during decoding."""
+    r = resident
+    kept = r["state"] + r["frozen"]
     return {
-        "update": figures["update"].peak + serving,
-        "logprobs": figures["logprobs"].peak + state - params + serving,
-        "decode": figures["decode"].peak + state - (0 if serving else params),
+        "update": figures["update"].peak + r["serving"],
+        "logprobs": figures["logprobs"].peak + kept - r["read"] + r["serving"],
+        "decode": figures["decode"].peak + kept - r["decode_reads"],
     }
 
 
@@ -370,8 +422,11 @@ def plan_run(cfg, mesh, hbm: int | None = None, search: bool = False) -> RunPlan
     update per doubling)."""
     model_cfg = model_config(cfg)
     shapes = run_shapes(cfg)
-    figures = plan_memory(model_cfg, mesh=mesh, dtypes=cfg.model.dtypes, **shapes)
-    resident = resident_bytes(model_cfg, mesh=mesh, dtypes=cfg.model.dtypes)
+    lora = dict(lora=cfg.model.lora.config)
+    figures = plan_memory(model_cfg, mesh=mesh, dtypes=cfg.model.dtypes, **shapes, **lora)
+    resident = resident_bytes(
+        model_cfg, mesh=mesh, dtypes=cfg.model.dtypes, lora_decode=cfg.model.lora.decode, **lora
+    )
     totals = phase_totals(figures, resident)
     shape = tuple(mesh.shape[a] for a in mesh.axis_names)
     largest = None
@@ -380,11 +435,18 @@ def plan_run(cfg, mesh, hbm: int | None = None, search: bool = False) -> RunPlan
         rows = shapes["micro_batch_size"] * shapes["num_micro"]
 
         def fits(b: int) -> bool:
+            # The micro-batch changes the update and the log-prob pass, not decoding.
             trial = dict(shapes, micro_batch_size=b, num_micro=max(1, rows // b))
-            return (
-                plan_memory(model_cfg, mesh=mesh, dtypes=cfg.model.dtypes, **trial)["update"].peak
-                <= hbm
+            trial_figures = plan_memory(
+                model_cfg,
+                mesh=mesh,
+                dtypes=cfg.model.dtypes,
+                **trial,
+                **lora,
+                functions=("update", "logprobs"),
             )
+            trial_figures["decode"] = figures["decode"]
+            return max(phase_totals(trial_figures, resident).values()) <= hbm
 
         largest = largest_fitting_micro_batch(fits, width, max(rows, width))
     return RunPlan(figures, totals, shape, hbm, shapes["micro_batch_size"], largest)

@@ -18,15 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_tools import check, data, models, plan, sharding
+from jaxrl_tools import algorithms, check, data, envs, models, plan, sharding
 from jaxrl_tools.config import ConfigError, RewardSpec, RunConfig
 from jaxrl_tools.demo import report, task
 from jaxrl_tools.eval import evaluate
 from jaxrl_tools.rewards import CompositeReward
 from jaxrl_tools.rollout import Sampler, make_engine
-from jaxrl_tools.tools import ToolExecutor, create_tool
+from jaxrl_tools.tools import SandboxPool, ToolExecutor, create_tool
 from jaxrl_tools.train import sft
-from jaxrl_tools.train.batch import make_batch
+from jaxrl_tools.train.batch import collect_batch
 from jaxrl_tools.train.checkpoint import Checkpointer
 from jaxrl_tools.train.metrics import MetricsLogger
 from jaxrl_tools.train.rl import RLSetup, RLTrainer
@@ -93,7 +93,23 @@ def close_tools(tools: list) -> None:
             log.warning("closing tool %s: %s", tool.name, e)
 
 
-def make_sampler(cfg: RunConfig, model_cfg, params, tokenizer, tools: list, mesh=None) -> Sampler:
+def setup_episodes(cfg: RunConfig) -> envs.Episodes | None:
+    """The `env` section's episodes (None without one); environments that run code get a
+    sandbox pool of `env.sandbox_workers` workers (closed by `close_episodes`)."""
+    if cfg.env.name is None:
+        return None
+    pool = SandboxPool(cfg.env.sandbox_workers) if envs.needs_sandbox(cfg.env.name) else None
+    return envs.Episodes.from_section(cfg.env, pool)
+
+
+def close_episodes(episodes: envs.Episodes | None) -> None:
+    if episodes is not None and episodes.pool is not None:
+        episodes.pool.close()
+
+
+def make_sampler(
+    cfg: RunConfig, model_cfg, params, tokenizer, tools: list, mesh=None, episodes=None
+) -> Sampler:
     r = cfg.rollout
     executor = (
         ToolExecutor(tools, max_concurrency=r.tool_concurrency, timeout_s=r.tool_timeout_s)
@@ -104,7 +120,13 @@ def make_sampler(cfg: RunConfig, model_cfg, params, tokenizer, tools: list, mesh
         model_cfg, params, tokenizer, r, mesh=mesh, seed=cfg.trainer.seed, dtypes=cfg.model.dtypes
     )
     return Sampler(
-        engine, tokenizer, executor, r, system_prompt=cfg.data.system_prompt, seed=cfg.trainer.seed
+        engine,
+        tokenizer,
+        executor,
+        r,
+        system_prompt=cfg.data.system_prompt,
+        seed=cfg.trainer.seed,
+        episodes=episodes,
     )
 
 
@@ -123,6 +145,10 @@ def make_trainer(cfg: RunConfig, model_cfg, params, mesh=None) -> RLTrainer:
         remat=cfg.model.remat_policy if cfg.model.remat else False,
         dtypes=cfg.model.dtypes,
         attention=cfg.model.attention,
+        lora=cfg.model.lora.config,
+        lora_decode=cfg.model.lora.decode,
+        # After SFT the base is not model.path's weights: a resumed run needs it back.
+        checkpoint_base=cfg.sft.enabled,
     )
     return RLTrainer(
         model_cfg,
@@ -132,13 +158,37 @@ def make_trainer(cfg: RunConfig, model_cfg, params, mesh=None) -> RLTrainer:
         critic=cfg.critic,
         setup=setup,
         mesh=mesh,
+        adapters=import_adapters(cfg, model_cfg),
     )
+
+
+def import_adapters(cfg: RunConfig, model_cfg) -> Any:
+    """The PEFT adapter of `model.lora.init_from` (None: not set); its rank, alpha and targets
+    must be the section's."""
+    lora = cfg.model.lora
+    if not lora.enabled or lora.init_from is None:
+        return None
+    dtype = models.PARAM_DTYPES[cfg.model.param_dtype]
+    try:
+        found, adapters = models.peft_io.load_peft(model_cfg, lora.init_from, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.lora.init_from: {e}") from None
+    for name in ("rank", "alpha", "targets"):
+        want, got = getattr(lora.config, name), getattr(found, name)
+        if (sorted(want) != sorted(got)) if name == "targets" else want != got:
+            raise ConfigError(
+                f"model.lora.{name}={want!r} but the adapter in model.lora.init_from="
+                f"{lora.init_from} has {got!r}"
+            )
+    return adapters
 
 
 def train_loader(cfg: RunConfig) -> data.PromptLoader:
     """The prompts of the RL steps (without those over `rollout.max_prompt_len` tokens, with
     `data.drop_long_prompts`)."""
-    if cfg.data.task is not None:
+    if cfg.env.name is not None:
+        records = check.env_records(cfg, "train")
+    elif cfg.data.task is not None:
         records = task.task_records(cfg.data, cfg.rollout.protocol, "train")
     else:
         records = data.record_source(cfg.data, "train")
@@ -150,7 +200,9 @@ def train_loader(cfg: RunConfig) -> data.PromptLoader:
 def eval_records(cfg: RunConfig) -> list[dict]:
     """The held-out prompts (the first `data.max_eval_records`; long ones dropped as in
     `train_loader`)."""
-    if cfg.data.task is not None:
+    if cfg.env.name is not None:
+        records = check.env_records(cfg, "eval")
+    elif cfg.data.task is not None:
         records = task.task_records(cfg.data, cfg.rollout.protocol, "eval")
     else:
         records = list(data.record_source(cfg.data, "eval"))
@@ -261,7 +313,8 @@ def train(
         )
     resuming = latest is not None
     tools = setup_tools(cfg)
-    sampler = make_sampler(cfg, model_cfg, params, tokenizer, tools, mesh)
+    episodes = setup_episodes(cfg)
+    sampler = make_sampler(cfg, model_cfg, params, tokenizer, tools, mesh, episodes)
     logger = MetricsLogger(
         run_dir, total_steps=t.steps, desc=t.run_name, start_step=latest if resuming else 0
     )
@@ -294,19 +347,25 @@ def train(
             log.info("resumed from step %d of %s", start, ckpt.directory)
         metrics: dict = {}
         group_size, pad_id = cfg.rollout.group_size, tokenizer.pad_token_id or 0
+        # ReMax's baseline: a greedy rollout per prompt, when the estimator reads one.
+        greedy = "baseline_B" in algorithms.estimator_inputs(cfg.algorithm.adv_estimator)
         with StopOnSignal() as stop:
             for step in range(start + 1, t.steps + 1):
                 records = next(loader)
                 t0 = time.perf_counter()
-                trajs = sampler(records, group_size, trainer.params)
-                rollout_s = time.perf_counter() - t0
-                batch = make_batch(
-                    records, trajs, reward, cfg.algorithm.filters,
+                # DAPO dynamic sampling draws more prompts (rounds) until the batch is full.
+                first = [records]
+                batch = collect_batch(
+                    lambda first=first: first.pop() if first else next(loader),
+                    lambda recs, g, **kw: sampler(recs, g, trainer.params, **kw),
+                    reward, cfg.algorithm.filters,
                     group_size=group_size, rows=trainer.rows, pad_id=pad_id,
+                    greedy_baseline=greedy,
                 )  # fmt: skip
+                rollout_s = time.perf_counter() - t0
                 metrics = trainer.step(batch)
                 metrics["time/rollout_s"] = rollout_s
-                n_tokens = sum(len(tr.response_ids) for tr in trajs)
+                n_tokens = batch.metrics["rollout/tokens"]
                 metrics["throughput/rollout_tokens_per_s"] = n_tokens / max(rollout_s, 1e-9)
                 if t.eval_every and step % t.eval_every == 0 and step != t.steps:
                     ev = run_eval(cfg, sampler, trainer.params, evals, reward)
@@ -332,10 +391,18 @@ def train(
         logger.close()
         ckpt.close()
         close_tools(tools)
+        close_episodes(episodes)
 
 
 def restore_policy(cfg: RunConfig, step: int | None = None):
-    """(model_cfg, params, tokenizer, step) of a run's checkpoint.
+    """(model_cfg, params, tokenizer, step) of a run's checkpoint (with LoRA, the policy's
+    weights as the engine takes them: `RLTrainer.params`). Errors: see `restore_trainer`."""
+    trainer, tokenizer, step = restore_trainer(cfg, step)
+    return trainer.model_cfg, trainer.params, tokenizer, step
+
+
+def restore_trainer(cfg: RunConfig, step: int | None = None):
+    """(trainer, tokenizer, step): a trainer holding a run's checkpoint.
 
     Raises:
       ConfigError: no checkpoint folder or no checkpoint in it, no checkpoint of `step` (the
@@ -371,16 +438,33 @@ def restore_policy(cfg: RunConfig, step: int | None = None):
             raise ConfigError(f"{e}: check the config against the run's") from None
     finally:
         ckpt.close()
-    return model_cfg, state["actor"].params, tokenizer, step
+    trainer.load_checkpoint_state(state)
+    return trainer, tokenizer, step
 
 
 def export(cfg: RunConfig, out: str, step: int | None = None) -> Path:
     """Writes a checkpoint's policy as a Hugging Face folder (weights, config, tokenizer).
 
-    `out` must be new or an empty folder: nothing is overwritten.
+    `out` must be new or an empty folder: nothing is overwritten. A LoRA run writes the merged
+    weights there, and its adapters in PEFT's format in `out/adapter` (after an SFT stage, their
+    base, the SFT policy, in `out/adapter_base`).
     """
     check.check_new_output(out)
-    model_cfg, params, tokenizer, step = restore_policy(cfg, step)
+    trainer, tokenizer, step = restore_trainer(cfg, step)
+    model_cfg, params = trainer.model_cfg, trainer.params
+    if trainer.lora is not None:  # merged full weights, and the adapters in PEFT's format
+        params = models.merge(trainer.base, trainer.state.params, trainer.lora)
+        base_name = cfg.model.path
+        if cfg.sft.enabled:  # the adapters' base is the SFT policy, not model.path
+            base_name = str(Path(out) / "adapter_base")
+            models.save_pretrained(model_cfg, trainer.base, base_name)
+        models.peft_io.save_peft(
+            model_cfg,
+            trainer.lora,
+            trainer.state.params,
+            Path(out) / "adapter",
+            base_model_name_or_path=base_name,
+        )
     models.save_pretrained(model_cfg, params, out)
     tokenizer.save_pretrained(out)
     log.info("exported step %d to %s", step, out)
@@ -395,11 +479,13 @@ def evaluate_policy(cfg: RunConfig, *, from_checkpoint: bool, step: int | None =
         tokenizer = setup_tokenizer(cfg)
         model_cfg, params = setup_model(cfg, tokenizer, make_mesh(cfg))
     tools = setup_tools(cfg)
+    episodes = setup_episodes(cfg)
     try:
-        sampler = make_sampler(cfg, model_cfg, params, tokenizer, tools)
+        sampler = make_sampler(cfg, model_cfg, params, tokenizer, tools, episodes=episodes)
         return run_eval(cfg, sampler, params, eval_records(cfg), make_reward(cfg))
     finally:
         close_tools(tools)
+        close_episodes(episodes)
 
 
 def sft_only(cfg: RunConfig, out: str) -> Path:

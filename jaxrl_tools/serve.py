@@ -4,18 +4,27 @@ JetStream's own client (``jetstream.core.proto.jetstream_pb2_grpc.OrchestratorSt
 ``DecodeRequest``: text, which the server puts through the recipe's chat template (with its
 system prompt) before tokenizing, or token ids, taken as they are. Decoding is the training
 engine's (``rollout.jetstream.DecodeEngine``) with the recipe's eval sampling settings, on the
-compute-dtype copy of the weights. Part of the ``[serve]`` extra. Tools are not run server-side:
-a response that calls one ends there, as text, for the client to act on.
+compute-dtype copy of the weights. Part of the ``[serve]`` extra.
+
+With ``tools`` (``jaxrl-tools serve --tools``) the recipe's tools run server-side, in the
+project's sandbox: each text request goes through the training agent loop (``rollout.Sampler``:
+the recipe's protocol, tool budget, observations appended to the context), and the answer is one
+message with the whole response (tool outputs included) and its token ids. That path is the
+gRPC service JetStream's client speaks (``ToolServicer``), without JetStream's orchestrator,
+which has no way to pause a request for a tool. Without ``tools`` a response that calls a tool
+ends there, as text, for the client to act on.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent import futures
 
 import numpy as np
 
 from jaxrl_tools import prompts, run
-from jaxrl_tools.config import RunConfig
+from jaxrl_tools.config import ConfigError, RunConfig
 from jaxrl_tools.rollout.kernels import next_pow2
 from jaxrl_tools.rollout.sampling import SamplingParams
 
@@ -91,9 +100,81 @@ def make_engine(cfg: RunConfig, model_cfg, params, tokenizer, mesh=None):
     return engine
 
 
-def start_server(cfg: RunConfig, *, from_checkpoint: bool, step: int | None, port: int):
+def tool_servicer(sampler, params, temperature: float):
+    """JetStream's gRPC ``Orchestrator`` service over the agent loop (tools run server-side).
+
+    Requests are served one at a time (the sampler's engine is not shared); ``max_tokens`` is
+    the recipe's ``rollout.max_response_len``. Token-id requests are refused: tool calls are
+    found in the text.
+    """
+    import grpc  # noqa: PLC0415  (the [serve] extra)
+    from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # noqa: PLC0415
+
+    class ToolServicer(jetstream_pb2_grpc.OrchestratorServicer):
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def Decode(self, request, context):  # noqa: N802  (the gRPC method's name)
+            if request.WhichOneof("content") != "text_content":
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "serve --tools takes text requests (tool calls are found in the text)",
+                )
+            record = {"prompt": request.text_content.text}
+            with self.lock:
+                traj = sampler([record], 1, params, temperature=temperature)[0]
+            sample = jetstream_pb2.DecodeResponse.StreamContent.Sample(
+                text=sampler.tokenizer.decode(traj.response_ids), token_ids=traj.response_ids
+            )
+            content = jetstream_pb2.DecodeResponse.StreamContent(samples=[sample])
+            yield jetstream_pb2.DecodeResponse(stream_content=content)
+
+        def HealthCheck(self, request, context):  # noqa: N802
+            return jetstream_pb2.HealthCheckResponse(is_live=True)
+
+    return ToolServicer()
+
+
+class ToolServer:
+    """A gRPC server of ``tool_servicer`` (``stop()``, ``wait_for_termination()``, like
+    JetStream's); stopping it closes the tools."""
+
+    def __init__(self, servicer, port: int, tools: list):
+        import grpc  # noqa: PLC0415
+        from jetstream.core.proto import jetstream_pb2_grpc  # noqa: PLC0415
+
+        self.tools = tools
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        jetstream_pb2_grpc.add_OrchestratorServicer_to_server(servicer, self.server)
+        self.server.add_insecure_port(f"[::]:{port}")
+        self.server.start()
+
+    def stop(self):
+        self.server.stop(grace=5).wait()
+        run.close_tools(self.tools)
+
+    def wait_for_termination(self):
+        try:
+            self.server.wait_for_termination()
+        finally:
+            self.stop()
+
+
+def _load_policy(cfg: RunConfig, from_checkpoint: bool, step: int | None, mesh):
+    if from_checkpoint:
+        model_cfg, params, tokenizer, step = run.restore_policy(cfg, step)
+        return model_cfg, params, tokenizer, f"{cfg.trainer.checkpoint_dir} step {step}"
+    tokenizer = run.setup_tokenizer(cfg)
+    model_cfg, params = run.setup_model(cfg, tokenizer, mesh)
+    return model_cfg, params, tokenizer, cfg.model.path or "a random tiny model"
+
+
+def start_server(
+    cfg: RunConfig, *, from_checkpoint: bool, step: int | None, port: int, tools: bool = False
+):
     """Loads the policy (the run's checkpoint, or ``model.path``) and starts the gRPC server on
-    ``port``; returns JetStream's server object (``stop()``, ``wait_for_termination()``)."""
+    ``port`` (``stop()``, ``wait_for_termination()``): JetStream's orchestrator, or with
+    ``tools`` the agent loop with the recipe's tools run server-side (``tool_servicer``)."""
     import grpc  # noqa: PLC0415  (the [serve] extra)
 
     from jaxrl_tools.rollout.jetstream import import_orchestrator  # noqa: PLC0415
@@ -102,13 +183,17 @@ def start_server(cfg: RunConfig, *, from_checkpoint: bool, step: int | None, por
     from jetstream.core import server_lib  # noqa: PLC0415  (after the logging fix-up above)
 
     mesh = run.make_mesh(cfg)
-    if from_checkpoint:
-        model_cfg, params, tokenizer, step = run.restore_policy(cfg, step)
-        what = f"{cfg.trainer.checkpoint_dir} step {step}"
-    else:
-        tokenizer = run.setup_tokenizer(cfg)
-        model_cfg, params = run.setup_model(cfg, tokenizer, mesh)
-        what = cfg.model.path or "a random tiny model"
+    model_cfg, params, tokenizer, what = _load_policy(cfg, from_checkpoint, step, mesh)
+    if tools:
+        if not cfg.tools:
+            raise ConfigError("serve --tools: the recipe declares no tools (its `tools:` section)")
+        started = run.setup_tools(cfg)
+        sampler = run.make_sampler(cfg, model_cfg, params, tokenizer, started, mesh)
+        servicer = tool_servicer(sampler, params, cfg.rollout.eval_temperature)
+        server = ToolServer(servicer, port, started)
+        names = ", ".join(t.name for t in started)
+        log.info("serving %s on port %d with tools run server-side: %s", what, port, names)
+        return server
     engine = make_engine(cfg, model_cfg, params, tokenizer, mesh)
     driver = _driver_class(orchestrator)(
         prefill_engines=[engine],

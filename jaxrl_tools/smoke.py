@@ -129,6 +129,12 @@ def smoke_config(cfg: RunConfig) -> RunConfig:
             o, micro_batch_size=micro, num_mini_batches=mini, ppo_epochs=min(o.ppo_epochs, 2)
         ),
         critic=dataclasses.replace(cfg.critic, pretrain_steps=min(cfg.critic.pretrain_steps, 1)),
+        env=dataclasses.replace(
+            cfg.env,
+            train_episodes=min(cfg.env.train_episodes, 64),
+            eval_episodes=min(cfg.env.eval_episodes, EVAL_RECORDS),
+            sandbox_workers=min(cfg.env.sandbox_workers, 2),
+        ),
         sft=dataclasses.replace(
             s,
             epochs=min(s.epochs, 1),

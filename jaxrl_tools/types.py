@@ -74,6 +74,8 @@ class Trajectory:
       env_states: per env step, the state its action was taken in (`info["anchor_state"]`,
         GiGPO's anchor; None when the environment gives none).
       response_text: decoded response (when a tokenizer was given).
+      env_seed: the seed its environment episode was reset with (None without an environment;
+        the G samples of a prompt share it, so GiGPO's anchor states line up).
     """
 
     prompt_index: int
@@ -89,6 +91,7 @@ class Trajectory:
     env_rewards: list[float] = dataclasses.field(default_factory=list)
     env_states: list = dataclasses.field(default_factory=list)
     response_text: str = ""
+    env_seed: int | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -120,6 +123,10 @@ class Batch:
       scores_R: the trajectory rewards (0 on padding rows).
       num_rows: real rows, G consecutive ones per kept prompt group.
       metrics: host statistics of the rollout (rewards, tool use, lengths, filters).
+      step_rewards_RS, step_mask_RS, anchor_ids_RS, token_step_RT: per-turn environment
+        rewards, which turns are real, state ids (equal ids = same anchor state within the
+        batch) and each token's turn index (`train.batch.step_arrays`; None when not built).
+      baseline_R: the greedy rollout's reward of each row's prompt (ReMax; None otherwise).
     """
 
     tokens_RT: np.ndarray
@@ -130,6 +137,11 @@ class Batch:
     scores_R: np.ndarray
     num_rows: int
     metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    step_rewards_RS: np.ndarray | None = None
+    step_mask_RS: np.ndarray | None = None
+    anchor_ids_RS: np.ndarray | None = None
+    token_step_RT: np.ndarray | None = None
+    baseline_R: np.ndarray | None = None
 
 
 class Sampler(Protocol):

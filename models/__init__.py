@@ -1,10 +1,11 @@
-"""Qwen2/2.5, Qwen3 and Llama 3.x decoders as Flax modules, KV cache, HF safetensors <-> params.
+"""Qwen2/2.5, Qwen3 and Llama 3.x decoders as Flax modules, KV cache, HF safetensors <-> params,
+LoRA adapters (`lora`) and their PEFT format (`peft_io`).
 
 Layers are stacked along a leading "layers" axis and scanned (`nn.scan`): compile time stays flat
 with depth. All functions are pure; jit them with the (hashable) `ModelConfig` static.
 """
 
-from jaxrl_tools.models import attention
+from jaxrl_tools.models import attention, peft_io
 from jaxrl_tools.models.cache import CACHE_AXES, KVCache, cache_axes, cache_bytes, init_cache
 from jaxrl_tools.models.config import (
     PARAM_DTYPES,
@@ -16,6 +17,15 @@ from jaxrl_tools.models.config import (
     rope_inv_freq,
 )
 from jaxrl_tools.models.hf_io import KEY_TABLES, KeySpec, from_pretrained, save_pretrained
+from jaxrl_tools.models.lora import (
+    LORA_TARGETS,
+    LoraConfig,
+    LoraParams,
+    init_lora,
+    lora_logical_axes,
+    merge,
+    with_lora,
+)
 from jaxrl_tools.models.transformer import (
     Decoder,
     default_positions,
@@ -37,6 +47,9 @@ __all__ = [
     "DTypePolicy",
     "KVCache",
     "KeySpec",
+    "LORA_TARGETS",
+    "LoraConfig",
+    "LoraParams",
     "ModelConfig",
     "attention",
     "cache_axes",
@@ -48,11 +61,16 @@ __all__ = [
     "from_pretrained",
     "hidden_states",
     "init_cache",
+    "init_lora",
     "init_params",
     "load_config",
     "logical_axes",
+    "lora_logical_axes",
+    "merge",
+    "peft_io",
     "param_shapes",
     "rope_inv_freq",
     "save_pretrained",
     "unembed",
+    "with_lora",
 ]

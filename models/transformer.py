@@ -21,6 +21,10 @@ Parameter tree (D hidden, H heads, K kv heads, Dh head dim, F mlp, V vocab, L la
   layers/mlp/{gate,up}_proj/kernel [L, D, F], layers/mlp/down_proj/kernel [L, F, D]
   layers/{input,post_attention}_norm/scale [L, D], final_norm/scale [D]
   lm_head/kernel [D, V]                       (only when the embeddings are not tied)
+
+LoRA: every function taking `params` also takes a `models.lora.LoraParams`; its adapters are the
+"lora" variable collection ({path}/lora_a, lora_b beside each adapted kernel), added to the
+projections' outputs (`_lora_delta`).
 """
 
 import functools
@@ -33,6 +37,7 @@ import jax.numpy as jnp
 from jaxrl_tools.models import attention as attn_lib
 from jaxrl_tools.models.cache import KVCache
 from jaxrl_tools.models.config import ModelConfig, rope_inv_freq
+from jaxrl_tools.models.lora import LoraParams
 from jaxrl_tools.sharding import constrain, sharded_init
 
 Params = dict[str, Any]
@@ -54,6 +59,22 @@ _INIT_STD = 0.02  # transformers' initializer_range
 
 def _param(module: nn.Module, name: str, init, shape, axes, dtype):
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+def _lora_delta(module: nn.Module, x, n_in: int):
+    """scale * (dropout(x) @ A) @ B of this projection's adapter (`models.lora`; the scale is
+    already in B), or None when the "lora" collection has no adapter for it. x [..., *in]."""
+    if not module.has_variable("lora", "lora_a"):
+        return None
+    a = module.get_variable("lora", "lora_a").astype(x.dtype)
+    b = module.get_variable("lora", "lora_b").astype(x.dtype)
+    rate = module.lora_dropout
+    if rate > 0 and module.has_rng("dropout"):
+        keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rate, x.shape)
+        x = jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+    contract = tuple(range(x.ndim - n_in, x.ndim))
+    xa = jnp.tensordot(x, a, axes=(contract, tuple(range(n_in))))
+    return jnp.tensordot(xa, b, axes=((xa.ndim - 1,), (0,)))
 
 
 class Weight(nn.Module):
@@ -101,6 +122,7 @@ class Projection(nn.Module):
     axes: tuple[str, ...]  # logical axes of the kernel
     use_bias: bool = False
     param_dtype: Any = jnp.float32
+    lora_dropout: float = 0.0
 
     @nn.compact
     def __call__(self, x):
@@ -113,6 +135,9 @@ class Projection(nn.Module):
             self.param_dtype,
         )
         y = jnp.tensordot(x, kernel.astype(x.dtype), axes=((x.ndim - 1,), (0,)))
+        delta = _lora_delta(self, x, 1)
+        if delta is not None:
+            y = y + delta
         if self.use_bias:
             bias = _param(
                 self, "bias", nn.initializers.zeros, self.out_shape, self.axes[1:], self.param_dtype
@@ -126,6 +151,7 @@ class OutProjection(nn.Module):
 
     features: int
     param_dtype: Any = jnp.float32
+    lora_dropout: float = 0.0
 
     @nn.compact
     def __call__(self, x_BTHK):
@@ -138,7 +164,9 @@ class OutProjection(nn.Module):
             ("heads", "head_dim", "embed"),
             self.param_dtype,
         )
-        return jnp.einsum("bthk,hkd->btd", x_BTHK, kernel.astype(x_BTHK.dtype))
+        y = jnp.einsum("bthk,hkd->btd", x_BTHK, kernel.astype(x_BTHK.dtype))
+        delta = _lora_delta(self, x_BTHK, 2)
+        return y if delta is None else y + delta
 
 
 def _rotate(x_BTNK, cos_BTK, sin_BTK):
@@ -158,20 +186,22 @@ class Attention(nn.Module):
     config: ModelConfig
     param_dtype: Any
     impl: str = "auto"
+    lora_dropout: float = 0.0
 
     @nn.compact
     def __call__(self, x_BTD, cos_BTK, sin_BTK, mask, cache, layer_idx, write_pos_BT):
         cfg = self.config
         D, H, K = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
-        Dh, pd = cfg.head_dim, self.param_dtype
-        q = Projection(
-            D, (H, Dh), ("embed", "heads", "head_dim"), cfg.attention_bias, pd, name="q_proj"
-        )(x_BTD)
+        Dh, pd, drop = cfg.head_dim, self.param_dtype, self.lora_dropout
+        bias = cfg.attention_bias
+        q = Projection(D, (H, Dh), ("embed", "heads", "head_dim"), bias, pd, drop, name="q_proj")(
+            x_BTD
+        )
         k = Projection(
-            D, (K, Dh), ("embed", "kv_heads", "head_dim"), cfg.attention_bias, pd, name="k_proj"
+            D, (K, Dh), ("embed", "kv_heads", "head_dim"), bias, pd, drop, name="k_proj"
         )(x_BTD)
         v = Projection(
-            D, (K, Dh), ("embed", "kv_heads", "head_dim"), cfg.attention_bias, pd, name="v_proj"
+            D, (K, Dh), ("embed", "kv_heads", "head_dim"), bias, pd, drop, name="v_proj"
         )(x_BTD)
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, "head_dim", pd, name="q_norm")(q)
@@ -199,21 +229,22 @@ class Attention(nn.Module):
             q, k, v, q_pos_BT, kv_valid_BS, kv_lengths_B=kv_lengths_B, impl=self.impl
         )
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return OutProjection(D, pd, name="o_proj")(out), cache
+        return OutProjection(D, pd, drop, name="o_proj")(out), cache
 
 
 class MLP(nn.Module):
     config: ModelConfig
     param_dtype: Any
+    lora_dropout: float = 0.0
 
     @nn.compact
     def __call__(self, x_BTD):
-        cfg, pd = self.config, self.param_dtype
+        cfg, pd, drop = self.config, self.param_dtype, self.lora_dropout
         D, F = cfg.hidden_size, cfg.intermediate_size
-        gate = Projection(D, (F,), ("embed", "mlp"), False, pd, name="gate_proj")(x_BTD)
-        up = Projection(D, (F,), ("embed", "mlp"), False, pd, name="up_proj")(x_BTD)
+        gate = Projection(D, (F,), ("embed", "mlp"), False, pd, drop, name="gate_proj")(x_BTD)
+        up = Projection(D, (F,), ("embed", "mlp"), False, pd, drop, name="up_proj")(x_BTD)
         h = constrain(nn.silu(gate) * up, ("batch", "length", "mlp"))
-        return Projection(F, (D,), ("mlp", "embed"), False, pd, name="down_proj")(h)
+        return Projection(F, (D,), ("mlp", "embed"), False, pd, drop, name="down_proj")(h)
 
 
 class DecoderLayer(nn.Module):
@@ -222,18 +253,21 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
     param_dtype: Any
     attention: str = "auto"
+    lora_dropout: float = 0.0
 
     @nn.compact
     def __call__(self, carry, layer_idx, cos_BTK, sin_BTK, mask, write_pos_BT):
         cfg, pd = self.config, self.param_dtype
         h, cache = carry
         x = RMSNorm(cfg.rms_norm_eps, "embed", pd, name="input_norm")(h)
-        attn, cache = Attention(cfg, pd, self.attention, name="attn")(
+        attn, cache = Attention(cfg, pd, self.attention, self.lora_dropout, name="attn")(
             x, cos_BTK, sin_BTK, mask, cache, layer_idx, write_pos_BT
         )
         h = constrain(h + attn, ("batch", "length", "embed"))
         x = RMSNorm(cfg.rms_norm_eps, "embed", pd, name="post_attention_norm")(h)
-        h = constrain(h + MLP(cfg, pd, name="mlp")(x), ("batch", "length", "embed"))
+        h = constrain(
+            h + MLP(cfg, pd, self.lora_dropout, name="mlp")(x), ("batch", "length", "embed")
+        )
         return (h, cache), None
 
 
@@ -244,6 +278,7 @@ class Decoder(nn.Module):
     param_dtype: Any = jnp.float32
     remat: bool | str = False  # REMAT_POLICIES name (True: "layer"); see `hidden_states`
     attention: str = "auto"  # a `models.attention.IMPLS` name
+    lora_dropout: float = 0.0  # adapter input dropout (needs a "dropout" rng; `models.lora`)
 
     @nn.compact
     def __call__(self, ids_BT, positions_BT, mask, cache=None, write_pos_BT=None):
@@ -277,12 +312,13 @@ class Decoder(nn.Module):
             )
         layers = nn.scan(
             layer_cls,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
+            # Adapters ("lora", `models.lora`) are stacked over layers like the params.
+            variable_axes={"params": 0, "lora": 0},
+            split_rngs={"params": True, "dropout": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_hidden_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg, pd, self.attention, name="layers")
+        )(cfg, pd, self.attention, self.lora_dropout, name="layers")
         (h, cache), _ = layers(
             (h, cache), jnp.arange(cfg.num_hidden_layers), cos, sin, mask, write_pos_BT
         )
@@ -379,9 +415,14 @@ def _apply(
     remat=False,
     attention="auto",
 ):
+    variables, rngs, lora_dropout = {"params": params}, None, 0.0
+    if isinstance(params, LoraParams):  # the base with adapters applied
+        variables, lora_dropout = params.module_variables()
+        if lora_dropout > 0:
+            rngs = {"dropout": params.dropout_key}
     dtype = params["embed"]["embedding"].dtype
-    return Decoder(config, dtype, remat, attention).apply(
-        {"params": params}, ids_BT, positions_BT, mask, cache, write_pos_BT
+    return Decoder(config, dtype, remat, attention, lora_dropout).apply(
+        variables, ids_BT, positions_BT, mask, cache, write_pos_BT, rngs=rngs
     )
 
 
@@ -408,7 +449,7 @@ def hidden_states(
 
     Args:
       config: the architecture.
-      params: the parameters.
+      params: the parameters, or a `models.lora.LoraParams` (the base with adapters applied).
       input_ids_BT: int token ids [B, T].
       attention_mask: [B, T], 1 for real tokens, 0 for padding (default all ones).
       positions: [B, T] rotary positions (default cumsum(attention_mask) - 1).
@@ -458,7 +499,7 @@ def forward(
 
     Args:
       config: the architecture.
-      params: the parameters.
+      params: the parameters, or a `models.lora.LoraParams` (the base with adapters applied).
       input_ids_BT: int token ids [B, T].
       attention_mask: [B, T], 1 for real tokens, 0 for padding (default all ones).
       positions: [B, T] rotary positions (default cumsum(attention_mask) - 1).
@@ -504,7 +545,7 @@ def forward_cached(
 
     Args:
       config: the architecture.
-      params: the parameters.
+      params: the parameters, or a `models.lora.LoraParams` (the base with adapters applied).
       tokens_BT: int token ids [B, T].
       positions_BT: int absolute positions [B, T].
       cache: the KVCache (donate it when jitting).

@@ -29,6 +29,7 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "mlp": "tensor",
     "vocab": "tensor",
     "layers": None,
+    "lora_rank": None,  # LoRA adapters' rank r: small, replicated (models/lora.py)
 }
 LOGICAL_AXES = tuple(DEFAULT_RULES)
 

@@ -29,6 +29,7 @@ ALL = [
     "gae",
     "gigpo",
     "grpo",
+    "kevin",
     "reinforce_pp",
     "reinforce_pp_baseline",
     "remax",
@@ -116,6 +117,35 @@ def np_gae(r, v, m, gamma, lam):
     return adv
 
 
+def np_kevin(step_r, step_m, token_step, m, G, norm, eps, gamma, group_norm=True):
+    """Kevin: turn returns R_t = s_t + γR_{t+1}, normalised over every real turn of the group."""
+    B, S = step_r.shape
+    R = np.zeros((B, S))
+    for b in range(B):
+        ret = 0.0
+        for s in reversed(range(S)):
+            if step_m[b, s]:
+                ret = step_r[b, s] + gamma * ret
+                R[b, s] = ret
+    a = np.zeros((B, S))
+    for g0 in range(0, B, G):
+        vals = [R[b, s] for b in range(g0, g0 + G) for s in range(S) if step_m[b, s]]
+        n = len(vals)
+        mu = sum(vals) / n if n > 1 else 0.0
+        sd = np.sqrt(sum((x - mu) ** 2 for x in vals) / (n - 1)) if n > 1 else 1.0
+        for b in range(g0, g0 + G):
+            for s in range(S):
+                if not step_m[b, s]:
+                    continue
+                if not group_norm:
+                    a[b, s] = R[b, s]
+                elif n > 1 and max(vals) == min(vals):
+                    a[b, s] = 0.0
+                else:
+                    a[b, s] = (R[b, s] - mu) / (sd + eps) if norm else R[b, s] - mu
+    return a[np.arange(B)[:, None], token_step] * m
+
+
 def np_gigpo(scores, step_r, step_m, anchors, token_step, m, G, norm, eps, gamma_s, omega):
     B, S = step_r.shape
     a_ep = np_group_norm(scores, G, norm, eps)
@@ -172,6 +202,19 @@ def oracle(name, d, cfg):
         a = np_gae(r, v, m, cfg.gamma, lam)
         ac = np_gae(r, v, m, cfg.gamma, cfg.critic_lam)
         return (np_whiten(a, m) if cfg.whiten else a * m), (ac + v) * m
+    if name == "kevin":
+        a = np_kevin(
+            d["step_rewards_BS"],
+            d["step_mask_BS"],
+            d["token_step_BT"],
+            m,
+            G,
+            cfg.norm_by_std,
+            cfg.eps,
+            cfg.turn_gamma,
+            cfg.turn_group_norm,
+        )
+        return a, a
     if name == "gigpo":
         a = np_gigpo(
             s,
@@ -239,6 +282,8 @@ CASES = (
         ("gae_nowhiten_G2", "gae_nowhiten", 2),
         ("vapo_nowhiten_G2", "vapo_nowhiten", 2),
         ("gigpo_nostd_G4", "gigpo_nostd", 4),
+        ("kevin_nostd_G4", "kevin_nostd", 4),
+        ("kevin_G1", "kevin", 1),
     ]
 )
 

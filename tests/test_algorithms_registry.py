@@ -12,6 +12,7 @@ ALL = [
     "gae",
     "gigpo",
     "grpo",
+    "kevin",
     "reinforce_pp",
     "reinforce_pp_baseline",
     "remax",
@@ -31,6 +32,7 @@ def test_requirements_of_the_builtin_estimators():
         "gae": ("values_BT",),
         "vapo": ("values_BT",),
         "gigpo": ("step_rewards_BS", "step_mask_BS", "anchor_ids_BS", "token_step_BT"),
+        "kevin": ("step_rewards_BS", "step_mask_BS", "token_step_BT"),
     }
     assert {n: A.estimator_requirements(n) for n in ALL} == want
     assert A.list_advantage_estimators() == ALL

@@ -36,8 +36,8 @@ from jaxrl_tools.algorithms import (
     policy_loss,
     ppo_clip_loss,
     starpo_s_filter,
-    token_entropy,
     target_logprobs,
+    token_entropy,
     value_loss,
 )
 

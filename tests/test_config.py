@@ -23,6 +23,10 @@ def test_configs_exist():
         "retool.yaml",
         "search_r1.yaml",
         "dapo.yaml",
+        "frozenlake_grpo.yaml",
+        "sokoban_gigpo.yaml",
+        "sokoban_starpo.yaml",
+        "refine_kevin.yaml",
     } <= names
 
 
@@ -109,8 +113,8 @@ def test_wrong_type_names_field(tmp_path):
         ("rollout.top_p=0", "rollout.top_p"),
         ("trainer.mesh=2x2", "trainer.mesh"),
         ("algorithm.adv_estimator=gae", "needs a critic (critic.enabled: true)"),
-        ("algorithm.adv_estimator=gigpo", "needs multi-turn environment steps (not built yet)"),
-        ("algorithm.adv_estimator=remax", "needs a greedy baseline rollout per prompt"),
+        ("algorithm.adv_estimator=gigpo", "needs multi-turn environment steps (an env section"),
+        ("algorithm.adv_estimator=kevin", "needs multi-turn environment steps (an env section"),
         ("rollout.protocol=ragen", "rollout.protocol='ragen' is not one of"),
         ("model.dtype=float16", "model.dtype='float16' is not one of"),
         ("tools.0.config.n_wokers=2", "did you mean 'n_workers'"),

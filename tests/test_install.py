@@ -26,7 +26,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("jaxrl_tools", "models", "sharding", "tools")
 FIRST_PARTY = set(SOURCE_DIRS)
 # Modules that may come from an extra instead of the core dependencies (imported lazily).
-EXTRA_ONLY = {"jetstream": "serve", "torch": "repro", "trl": "repro", "datasets": "repro"}
+EXTRA_ONLY = {
+    "jetstream": "serve",
+    "grpc": "serve",
+    "torch": "repro",
+    "trl": "repro",
+    "datasets": "repro",
+}
 HEAVY = ("jetstream", "tensorflow", "seqio")  # what the training path must not import
 # Distributions the core install must not pull in, even transitively: TensorFlow (~2 GB, via
 # JetStream's seqio) and torch (test-only; it also drags in jinja2 and so hides its absence).

@@ -10,8 +10,8 @@ from absl.testing import parameterized
 from jaxrl_tools.algorithms import (
     chunked_token_logprobs,
     chunked_token_logprobs_and_entropy,
-    token_entropy,
     target_logprobs,
+    token_entropy,
 )
 
 

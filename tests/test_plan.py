@@ -9,6 +9,7 @@ import pytest
 from fakes import tiny_model_config
 
 from jaxrl_tools import models, plan, sharding
+from jaxrl_tools.models.lora import lora_shapes
 
 
 def test_plan_memory_accounts_for_master_weights_adam_and_bf16_cache():
@@ -48,15 +49,51 @@ def test_resident_state_and_serving_copy_are_added_to_each_phase():
     mesh = sharding.make_mesh((1, -1, 1))
     fp32 = plan.resident_bytes(cfg, mesh=mesh, dtypes=models.DTypePolicy())
     bf16 = plan.resident_bytes(cfg, mesh=mesh, dtypes=models.DTypePolicy(compute="bfloat16"))
-    assert fp32["params"] == bf16["params"] == 4 * n
+    assert fp32["read"] == bf16["read"] == 4 * n and fp32["frozen"] == 0
     assert 12 * n <= fp32["state"] <= 12 * n + 64  # weights, mu, nu (+ counters)
     assert fp32["serving"] == 0 and bf16["serving"] == 2 * n  # fp32 serves the weights themselves
+    assert fp32["decode_reads"] == 4 * n and bf16["decode_reads"] == 0
     m = plan.Memory(arguments=100, outputs=10, temporaries=50, aliased=0)
     figures = {"update": m, "logprobs": m, "decode": m}
     t32, t16 = plan.phase_totals(figures, fp32), plan.phase_totals(figures, bf16)
     assert t32["update"] == 160 and t16["update"] == 160 + 2 * n
     assert t32["decode"] == 160 + fp32["state"] - 4 * n and t16["decode"] == 160 + bf16["state"]
     assert t32["logprobs"] == 160 + fp32["state"] - 4 * n
+
+    # LoRA: the state is the adapters' (and their moments), the bf16 base stays resident, and
+    # the engine's merged copy is another bf16 set of weights.
+    lora = models.LoraConfig(rank=4, alpha=8.0)
+    a = sum(math.prod(x.shape) for x in jax.tree.leaves(lora_shapes(cfg, lora)))
+    lo = plan.resident_bytes(
+        cfg, mesh=mesh, dtypes=models.DTypePolicy(compute="bfloat16"), lora=lora
+    )
+    assert 12 * a <= lo["state"] <= 12 * a + 64 and lo["frozen"] == lo["serving"] == 2 * n
+    assert lo["read"] == 2 * n + 4 * a and lo["decode_reads"] == 0
+
+
+def test_lora_update_holds_adapter_moments_and_the_base_once():
+    cfg = tiny_model_config()
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(models.param_shapes(cfg)))
+    lora = models.LoraConfig(rank=4, alpha=8.0)
+    a = sum(math.prod(x.shape) for x in jax.tree.leaves(lora_shapes(cfg, lora)))
+    M, b, T = 2, 4, 32
+    figures = plan.plan_memory(
+        cfg,
+        mesh=sharding.make_mesh((1, -1, 1)),
+        dtypes=models.DTypePolicy(compute="bfloat16"),
+        micro_batch_size=b,
+        num_micro=M,
+        seq_len=T,
+        slots=4,
+        cache_len=64,
+        lora=lora,
+        functions=("update",),
+    )
+    # Adapters + their two moments (fp32), the bf16 base, the batch: no base-sized moments.
+    batch = 4 * 6 * M * b * T
+    extra = figures["update"].arguments - 12 * a - 2 * n - batch
+    assert 0 <= extra <= 64, extra
+    assert figures["update"].aliased >= 12 * a
 
 
 def _run_config(tmp_path):
@@ -79,24 +116,27 @@ def _run_config(tmp_path):
 def test_plan_command_says_whether_the_run_fits_and_the_largest_micro_batch(
     tmp_path, capsys, monkeypatch
 ):
+    # The command's logic on figures that grow with the micro-batch (compiling is tested above
+    # and end to end below): 1 MiB per row in the update and the log-prob pass.
     from jaxrl_tools.cli import main
 
-    compiled = []
-    plan_memory = plan.plan_memory
-    monkeypatch.setattr(
-        plan, "plan_memory", lambda *a, **kw: compiled.append(plan_memory(*a, **kw)) or compiled[-1]
-    )
+    calls = []
+
+    def figures(model_cfg, *, micro_batch_size, functions=plan.FUNCTIONS, **kw):
+        calls.append((micro_batch_size, functions))
+        m = plan.Memory(arguments=micro_batch_size << 20, outputs=0, temporaries=0, aliased=0)
+        return {f: m for f in functions}
+
+    monkeypatch.setattr(plan, "plan_memory", figures)
     path = _run_config(tmp_path)
     assert main(["plan", "--config", str(path), "--memory-gib", "4"]) == 0
     out = capsys.readouterr().out
     assert "mesh 1x1x1 (data x fsdp x tensor), per device:" in out
     assert out.count("fits in 4.00 GiB") == 3, out
-    # 4 rows a step: micro-batches of 1, 2 and 4 are tried, and all fit in 4 GiB.
+    # 4 rows a step: micro-batches of 1, 2 and 4 are tried (update and log-probs), all fit.
     assert "largest optim.micro_batch_size that fits: 4 (configured: 2)" in out
-    assert len(compiled) == 4  # the run's shapes, then the search's three
+    assert calls == [(2, plan.FUNCTIONS)] + [(b, ("update", "logprobs")) for b in (1, 2, 4)]
 
-    # The same figures against a smaller device (not compiled again): exit status 1.
-    monkeypatch.setattr(plan, "plan_memory", lambda *a, **kw: compiled[0])
     assert main(["plan", "--config", str(path), "--memory-gib", "0.0001"]) == 1
     out = capsys.readouterr().out
     assert "does NOT fit in 0.00 GiB" in out

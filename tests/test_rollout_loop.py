@@ -9,10 +9,11 @@ import torch
 import transformers
 
 from jaxrl_tools import models
+from jaxrl_tools.config import RolloutSection
 from jaxrl_tools.demo.tokenizer import build_tokenizer
-from jaxrl_tools.envs import FrozenLake, RagenTurns
+from jaxrl_tools.envs import Episodes, FrozenLake, RagenTurns
 from jaxrl_tools.prompts import chat_continuation
-from jaxrl_tools.rollout import BUDGET_NOTICE, RolloutLimits, run_rollouts
+from jaxrl_tools.rollout import BUDGET_NOTICE, RolloutLimits, Sampler, run_rollouts
 from jaxrl_tools.rollout.engine import EngineCore
 from jaxrl_tools.rollout.sampling import GREEDY
 from jaxrl_tools.tools import Observation, ToolExecutor, function_tool, get_parser
@@ -392,3 +393,35 @@ def test_sampled_rollouts_are_reproducible_and_logprobs_match(tiny):
     P = len(t.prompt_ids)
     ref = [float(logp[P - 1 + i, tok]) for i, tok in enumerate(t.response_ids)]
     np.testing.assert_allclose(t.logprobs, ref, atol=1e-4)
+
+
+def test_sampler_plays_env_episodes_with_group_seeds_and_a_context_budget(tiny, tok):
+    turn = "<think>go</think><answer>Right</answer><|im_end|>"
+    eng, params = _engine(tiny, tok, [turn] * 6)
+    # rollout.max_turns=1 would stop before the first env step: the env's limit governs
+    settings = RolloutSection(
+        protocol="none", max_prompt_len=512, max_response_len=256, chunk_size=8, slots=2,
+        max_turns=1,
+    )  # fmt: skip
+    episodes = Episodes("frozenlake", {"size": 4}, max_turns=3)
+    sampler = Sampler(eng, tok, None, settings, episodes=episodes)
+    records = episodes.records([8, 5])
+    trajs = sampler(records, 2, params, temperature=0.0)
+    assert len(trajs) == 4
+    for t in trajs:
+        seed = (8, 5)[t.prompt_index]
+        assert t.env_seed == seed and t.finish_reason == "done"
+        assert t.env_states[0] == FrozenLake(size=4).reset(seed)  # the group's common start
+        assert 1 <= len(t.env_rewards) <= 3
+    # seed 8: no hole on the way, the turn limit ends it; seed 5: a hole after one move
+    assert [len(t.env_rewards) for t in trajs] == [3, 3, 1, 1]
+    # A context budget that ends the episode after its first turn's step (the observation
+    # would pass it): the turn keeps its reward, nothing is cut from the middle.
+    P = len(sampler.encode_prompt(records[0]))
+    L = len(tok.encode(turn, add_special_tokens=False))
+    budget = Episodes("frozenlake", {"size": 4}, max_turns=3, context_budget=P + L + 3)
+    (t,) = Sampler(eng, tok, None, settings, episodes=budget)(records[:1], 1, params)
+    assert t.finish_reason == "budget" and len(t.env_rewards) == 1
+    assert len(t.prompt_ids) + len(t.response_ids) == P + L
+    with pytest.raises(ValueError, match="has no 'env_seed'"):
+        sampler([{"prompt": "hi"}], 1, params)

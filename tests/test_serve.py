@@ -1,4 +1,5 @@
-"""`jaxrl-tools serve`: JetStream's gRPC client gets the tokens the engine generates.
+"""`jaxrl-tools serve`: JetStream's gRPC client gets the tokens the engine generates, and with
+`--tools` answers whose tool calls ran server-side in the sandbox.
 
 A tiny random policy with the demo tokenizer (it has a chat template) is served on a free port;
 JetStream's own stub sends token-id and text requests, and the answers must be the greedy
@@ -8,6 +9,8 @@ for a text request). Several requests in a row also exercise slots freed and ref
 
 import socket
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
@@ -106,3 +109,59 @@ def test_text_requests_go_through_the_chat_template(served):
     # mostly repeats the prompt's last token: the template's newline, or the question mark).
     raw = tokenizer.encode(question, add_special_tokens=False)
     assert stop_at_eos(greedy(engine, params, raw), engine) != want
+
+
+def test_tools_run_server_side_in_the_sandbox(tmp_path):
+    # The ReTool recipe of tests/test_train_e2e.py: a tiny policy scripted (logits hook) to call
+    # the Python tool on "6*7" and then answer; the real sandbox runs the call.
+    import grpc
+    from test_train_e2e import RECORDS, _config, _scripts, forcing_hook
+
+    from jaxrl_tools import models
+    from jaxrl_tools.rollout import EngineCore, Sampler
+    from jaxrl_tools.serve import ToolServer, tool_servicer
+    from jaxrl_tools.tools import ToolExecutor
+
+    tok = build_tokenizer(tmp_path / "tok", vocab_size=300)
+    model_cfg = models.ModelConfig(
+        model_type="qwen2",
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.pad_token_id,
+    )
+    cfg = _config()
+    tools = run.setup_tools(cfg)
+    engine = EngineCore(
+        model_cfg,
+        None,
+        slots=8,
+        max_len=128,
+        max_prefill_length=64,
+        tokenizer=tok,
+        logits_hook=forcing_hook,
+        hook_data=jnp.asarray(_scripts(tok)),
+    )
+    sampler = Sampler(engine, tok, ToolExecutor(tools, max_concurrency=2), cfg.rollout)
+    params = models.init_params(model_cfg, jax.random.key(0))
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    server = ToolServer(tool_servicer(sampler, params, 0.0), port, tools)
+    try:
+        (sample,) = decode(port, text=RECORDS[0]["prompt"])
+        assert sample.text.startswith("<code>print(6*7)</code>")
+        observation = sample.text.split("<interpreter>")[1].split("</interpreter>")[0]
+        assert observation.strip() == "42"  # the sandbox's output, appended server-side
+        assert sample.text.rstrip().endswith("\\boxed{42}<|im_end|>")
+        assert tok.decode(list(sample.token_ids)) == sample.text
+        with pytest.raises(grpc.RpcError, match="text requests"):
+            decode(port, token_ids=[1, 2, 3])
+    finally:
+        server.stop()

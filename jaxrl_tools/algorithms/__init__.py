@@ -24,10 +24,16 @@ Valid names of each configurable choice, owned by the module that implements it:
   policy losses         POLICY_LOSSES
 
 Estimator modules (imported here so that their estimators are registered): ``outcome`` (grpo,
-drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, remax), ``critic`` (gae, vapo), ``gigpo``.
+drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, remax), ``critic`` (gae, vapo), ``gigpo``,
+``turns`` (kevin).
 """
 
-from jaxrl_tools.algorithms import critic, gigpo, outcome  # noqa: F401  (register estimators)
+from jaxrl_tools.algorithms import (  # noqa: F401  (register estimators)
+    critic,
+    gigpo,
+    outcome,
+    turns,
+)
 from jaxrl_tools.algorithms.advantages import (
     AdvantageConfig,
     AdvantageInputs,

@@ -27,6 +27,7 @@ Estimators (formulas in docs/METHODS.md), by module:
   outcome.py   grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, remax
   critic.py    gae, vapo (need ``values_BT``)
   gigpo.py     gigpo (step-level, anchor-state groups)
+  turns.py     kevin (discounted per-turn returns)
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ class AdvantageConfig:
       critic_lam: λ for the critic's returns in vapo (1.0).
       step_gamma: γ of GiGPO's discounted step returns (0.95 in the paper).
       gigpo_omega: ω weighting the step-level advantage.
+      turn_gamma: γ of Kevin's per-turn returns R_t = s_t + γ·R_{t+1} (0.4 in Kevin).
+      turn_group_norm: kevin normalises the turn returns over the prompt's group (Kevin does).
     """
 
     group_size: int | None = None
@@ -129,6 +132,8 @@ class AdvantageConfig:
     critic_lam: float = 1.0
     step_gamma: float = 0.95
     gigpo_omega: float = 1.0
+    turn_gamma: float = 0.4
+    turn_group_norm: bool = True
 
     def __post_init__(self):
         if self.group_size is not None and (
@@ -137,7 +142,7 @@ class AdvantageConfig:
             raise ValueError(
                 f"AdvantageConfig.group_size must be an int >= 1, got {self.group_size!r}"
             )
-        for name in ("gamma", "lam", "critic_lam", "step_gamma"):
+        for name in ("gamma", "lam", "critic_lam", "step_gamma", "turn_gamma"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"AdvantageConfig.{name} must be in [0, 1], got {v}")

@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxrl_tools import data, models, prompts
+from jaxrl_tools import data, envs, models, prompts
 from jaxrl_tools.check.setup import build_tools, tools_schema
 from jaxrl_tools.config import ConfigError, RunConfig
 from jaxrl_tools.demo import task
@@ -179,6 +179,11 @@ def _read(cfg: RunConfig, split: str) -> data.RecordSource:
         raise ConfigError(f"{field}: {msg}") from None
 
 
+def env_records(cfg: RunConfig, split: str) -> list[dict]:
+    """The episodes of the `env` section as prompt records ("train" or held-out "eval" seeds)."""
+    return envs.Episodes.from_section(cfg.env).split_records(cfg.env, split)
+
+
 def check_data(
     cfg: RunConfig, *, needs_eval: bool = False, needs_train: bool = True
 ) -> dict[str, Sequence[dict]]:
@@ -193,7 +198,10 @@ def check_data(
     """
     d = cfg.data
     out: dict[str, Sequence[dict]] = {}
-    if d.task is not None:
+    if cfg.env.name is not None:  # episodes replace the data files
+        out["train"] = env_records(cfg, "train")
+        out["eval"] = env_records(cfg, "eval")
+    elif d.task is not None:
         out["train"] = task.task_records(d, cfg.rollout.protocol, "train")
         out["eval"] = task.task_records(d, cfg.rollout.protocol, "eval")
     else:

@@ -88,7 +88,9 @@ def _data_line(cfg: RunConfig, records, lengths: dict, split: str) -> str:
     if split not in records:
         return "none"
     where = (
-        f"generated {d.task}"
+        f"episodes of env {cfg.env.name}"
+        if cfg.env.name is not None
+        else f"generated {d.task}"
         if d.task is not None
         else ", ".join(d.train_files if split == "train" else d.eval_files)
     )

@@ -6,25 +6,32 @@ from jaxrl_tools.envs.base import (
     GridEnv,
     RagenTurns,
     StepResult,
+    env_class,
     env_names,
     make_env,
     parse_turn,
     register_env,
 )
+from jaxrl_tools.envs.episodes import EVAL_SEED_OFFSET, Episodes, env_kwargs, needs_sandbox
 from jaxrl_tools.envs.frozenlake import FrozenLake
 from jaxrl_tools.envs.refine import Refine
 from jaxrl_tools.envs.sokoban import Sokoban
 
 __all__ = [
+    "EVAL_SEED_OFFSET",
     "Env",
+    "Episodes",
     "FrozenLake",
     "GridEnv",
     "RagenTurns",
     "Refine",
     "Sokoban",
     "StepResult",
+    "env_class",
+    "env_kwargs",
     "env_names",
     "make_env",
+    "needs_sandbox",
     "parse_turn",
     "register_env",
 ]

@@ -85,11 +85,16 @@ def env_names() -> tuple[str, ...]:
     return tuple(sorted(_ENVS))
 
 
-def make_env(name: str, **kwargs) -> Env:
-    """A registered environment by name; the kwargs are its constructor's."""
+def env_class(name: str) -> type[Env]:
+    """The class registered as `name` (unknown: a ValueError listing the registered ones)."""
     if name not in _ENVS:
         raise ValueError(f"unknown environment {name!r}; known: {env_names()}")
-    return _ENVS[name](**kwargs)
+    return _ENVS[name]
+
+
+def make_env(name: str, **kwargs) -> Env:
+    """A registered environment by name; the kwargs are its constructor's."""
+    return env_class(name)(**kwargs)
 
 
 _TURN = re.compile(r"^\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*$", re.DOTALL)

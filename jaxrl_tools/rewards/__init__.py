@@ -1,8 +1,8 @@
 """Rule-based rewards, chosen by name from one registry and composed (`CompositeReward`).
 
 Importing the package registers every reward: outcome (math, qa_em, format, exec_penalty,
-tool_success, retool, dapo_overlong), tool calls (toolrl, tool_n1), OTC (otc_ppo, otc_grpo) and
-DeepRetrieval's (retrieval, sql_exec).
+tool_success, retool, dapo_overlong, env_return), tool calls (toolrl, tool_n1), OTC (otc_ppo,
+otc_grpo) and DeepRetrieval's (retrieval, sql_exec).
 """
 
 from jaxrl_tools.rewards.answers import (
@@ -25,6 +25,7 @@ from jaxrl_tools.rewards.otc import (
 )
 from jaxrl_tools.rewards.outcome import (
     dapo_overlong_reward,
+    env_return_reward,
     exec_penalty_reward,
     format_reward,
     math_reward,
@@ -76,6 +77,7 @@ __all__ = [
     "tool_success_reward",
     "retool_reward",
     "dapo_overlong_reward",
+    "env_return_reward",
     "toolrl_reward",
     "tool_n1_reward",
     "ndcg_at_k",

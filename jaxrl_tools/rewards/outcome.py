@@ -137,3 +137,12 @@ def dapo_overlong_reward(
     if n <= max_len:
         return penalty_factor * (expected - n) / buffer
     return -penalty_factor
+
+
+@register_reward("env_return")
+def env_return_reward(
+    response: str, ground_truth: Any = None, info: TrajectoryInfo | None = None
+) -> float:
+    """Multi-turn environments (RAGEN's episode score): the sum of the per-turn environment
+    rewards of the trajectory (`info.env_rewards`); 0 for a trajectory with no env step."""
+    return float(sum(info.env_rewards)) if info is not None else 0.0

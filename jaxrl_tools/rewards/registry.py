@@ -44,6 +44,7 @@ class TrajectoryInfo:
       group_num_calls: the tool-call counts of every response of this prompt's group
         (OTC-GRPO); filled by `CompositeReward.batch` when group_ids are given.
       group_correct: correctness of every response of the group, aligned with group_num_calls.
+      env_rewards: the environment's reward of each turn (multi-turn environments).
       extra: anything else (per-dataset fields).
     """
 
@@ -53,6 +54,7 @@ class TrajectoryInfo:
     response_length: int = 0
     group_num_calls: Sequence[int] | None = None
     group_correct: Sequence[bool] | None = None
+    env_rewards: Sequence[float] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property

@@ -62,6 +62,8 @@ class RolloutLimits:
       max_turns: model segments per trajectory.
       max_obs_tokens: cap per tool output (head + "..." + tail beyond it).
       chunk_size: decode steps per jitted generate call.
+      max_context_tokens: prompt + response tokens of one trajectory (None: the engine's
+        max_len); a segment or observation that would pass it ends the trajectory ("budget").
     """
 
     max_response_tokens: int = 512
@@ -69,10 +71,13 @@ class RolloutLimits:
     max_turns: int = 8
     max_obs_tokens: int = 256
     chunk_size: int = 16
+    max_context_tokens: int | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if v is None and f.name == "max_context_tokens":
+                continue
             if not isinstance(v, int) or v < (0 if f.name == "max_tool_calls" else 1):
                 raise ValueError(f"RolloutLimits.{f.name} must be a positive int, got {v!r}")
 
@@ -223,12 +228,14 @@ async def arun_rollouts(
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None
     encode = (lambda s: list(tokenizer.encode(s, add_special_tokens=False))) if tokenizer else None
 
+    # Where a trajectory's context ends: the KV cache, or a smaller per-episode budget.
+    ctx_limit = min(engine.max_len, limits.max_context_tokens or engine.max_len)
     queue: collections.deque[_Sample] = collections.deque()
     done: list[Trajectory] = []
     for pi, prompt in enumerate(prompts):
         ids = _render_prompt(prompt, tokenizer, tools_schema)
-        if not ids or len(ids) >= engine.max_len:
-            raise ValueError(f"prompt {pi} has {len(ids)} tokens; need 1..{engine.max_len - 1}")
+        if not ids or len(ids) >= ctx_limit:
+            raise ValueError(f"prompt {pi} has {len(ids)} tokens; need 1..{ctx_limit - 1}")
         pkey = jax.random.fold_in(base_key, pi)
         for g in range(num_samples):
             s = _Sample(Trajectory(pi, g, list(ids)), np.asarray(jax.random.fold_in(pkey, g)))
@@ -350,7 +357,7 @@ async def arun_rollouts(
             toks, reward = res[1], res[2]
             if len(s.traj.response_ids) + len(toks) >= limits.max_response_tokens:
                 finished_now.append((slot, "length"))
-            elif s.length + len(toks) >= engine.max_len:
+            elif s.length + len(toks) >= ctx_limit:
                 finished_now.append((slot, "budget"))
             else:
                 appends.append((slot, s, toks, reward))
@@ -414,7 +421,7 @@ async def arun_rollouts(
                 tool_stops=tool_stops,
                 final_stops=final_stops,
                 room=limits.max_response_tokens - len(s.traj.response_ids),
-                context=engine.max_len - s.length,
+                context=ctx_limit - s.length,
             )
             s.add_model(toks[:cut], lps[:cut])
             if reason is None:

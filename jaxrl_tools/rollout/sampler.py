@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,6 +61,10 @@ class Sampler:
       settings: the rollout section (protocol, limits, sampling).
       system_prompt: an optional system turn for every prompt.
       seed: the run seed; call k uses seed * 1_000_003 + k unless given one.
+      episodes: a multi-turn environment (`envs.Episodes`): each record's samples play the
+        episode of its "env_seed" (trajectories record it as `env_seed`); the environment ends
+        an episode after its `max_turns` (the loop's turn limit is one above, so the last turn
+        is still stepped) and `context_budget` bounds its tokens.
     """
 
     def __init__(
@@ -71,9 +76,11 @@ class Sampler:
         *,
         system_prompt: str | None = None,
         seed: int = 0,
+        episodes=None,
     ):
         self.engine, self.tokenizer, self.executor = engine, tokenizer, executor
         self.settings, self.system_prompt, self.seed = settings, system_prompt, seed
+        self.episodes = episodes
         self.limits = RolloutLimits(
             max_response_tokens=settings.max_response_len,
             max_tool_calls=settings.max_tool_calls,
@@ -81,6 +88,12 @@ class Sampler:
             max_obs_tokens=settings.max_obs_tokens,
             chunk_size=settings.chunk_size,
         )
+        if episodes is not None:
+            self.limits = dataclasses.replace(
+                self.limits,
+                max_turns=episodes.max_turns + 1,
+                max_context_tokens=episodes.context_budget,
+            )
         function_calling = executor is not None and declares_tools(settings.protocol)
         self.tools_schema = executor.schemas() if function_calling else []
         self.calls = 0  # checkpointed: a resumed run continues the same random streams
@@ -102,7 +115,11 @@ class Sampler:
         if seed is None:
             seed = self.seed * 1_000_003 + self.calls
         self.calls += 1
-        return run_rollouts(
+        env_factory, seeds = None, None
+        if self.episodes is not None:
+            seeds = [_env_seed(rec) for rec in records]
+            env_factory = lambda pi, g: self.episodes.start(seeds[pi])  # noqa: E731
+        trajs = run_rollouts(
             self.engine,
             params,
             [self.encode_prompt(rec) for rec in records],
@@ -113,7 +130,12 @@ class Sampler:
             limits=self.limits,
             sampling=sampling,
             rng=seed,
+            env_factory=env_factory,
         )
+        if seeds is not None:
+            for t in trajs:
+                t.env_seed = seeds[t.prompt_index]
+        return trajs
 
     def encode_prompt(self, record: Record) -> list[int]:
         """The record's prompt through the chat template, with its tool declarations."""
@@ -124,3 +146,13 @@ class Sampler:
             self.system_prompt,
             max_len=self.settings.max_prompt_len,
         )
+
+
+def _env_seed(record: Record) -> int:
+    if "env_seed" not in record:
+        name = record.get("id", record.get("prompt"))
+        raise ValueError(
+            f"record {name!r} has no 'env_seed': with an environment, every prompt record is an "
+            "episode (envs.Episodes.records)"
+        )
+    return int(record["env_seed"])

@@ -1,8 +1,14 @@
-"""Trajectories -> one update's Batch: rewards, group filters, packing into fixed shapes."""
+"""Trajectories -> one update's Batch: rewards, group filters, packing into fixed shapes.
+
+`make_batch` scores one round of trajectories; `collect_batch` samples rounds until the filters
+have kept a full batch (DAPO dynamic sampling) and adds ReMax's greedy baselines. Multi-turn
+trajectories also give per-turn advantage inputs (`step_arrays`): turn k is the k-th model
+span, its step reward the reward of the environment step its text went to.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -59,6 +65,7 @@ def score_trajectories(
             # verl's count: the prompt, then every model turn and tool/environment turn
             num_turns=1 + len(t.spans),
             response_length=len(t.response_ids),
+            env_rewards=tuple(t.env_rewards),
         )
         for t in trajectories
     ]
@@ -113,6 +120,93 @@ def filter_groups(scores_N: np.ndarray, group_size: int, filters: FiltersSection
     return keep
 
 
+def step_arrays(
+    trajectories: Sequence[Trajectory], *, rows: int, length: int, step_multiple: int = 4
+) -> dict[str, np.ndarray]:
+    """Per-turn advantage inputs of trajectories packed as by `pack_trajectories`.
+
+    Environment step k is the k-th model span whose text went to the environment (one followed
+    by an observation span carrying a reward, or the last span when the environment ended the
+    episode); its step reward is `env_rewards[k]`. Model spans that were tool turns belong to
+    the step of the next environment turn (they lead to its action). A turn the environment
+    never saw (cut by a length, budget or turn limit) is step `len(env_rewards)`, with step
+    mask 0: it gets no step-level signal. Anchor ids number the distinct `env_states` of the
+    whole batch in order of first appearance (equal states, equal ids); a missing state (None)
+    gets an id of its own. S is rounded up to `step_multiple` (few compiles).
+
+    Returns:
+      {"step_rewards" [rows, S] f32, "step_mask" [rows, S] f32, "anchor_ids" [rows, S] i32,
+       "token_step" [rows, length] i32 (0 off model tokens)}.
+    """
+    turns = [max(t.num_turns, len(t.env_rewards)) for t in trajectories]
+    S = _bucket(max(turns, default=1), step_multiple)
+    out = {
+        "step_rewards": np.zeros((rows, S), np.float32),
+        "step_mask": np.zeros((rows, S), np.float32),
+        "anchor_ids": np.zeros((rows, S), np.int32),
+        "token_step": np.zeros((rows, length), np.int32),
+    }
+    ids: dict = {}
+    for i, t in enumerate(trajectories):
+        n = len(t.env_rewards)
+        out["step_rewards"][i, :n] = t.env_rewards
+        out["step_mask"][i, :n] = 1.0
+        for k, state in enumerate(t.env_states[:n]):
+            key = ("state", state) if state is not None else ("none", i, k)
+            try:
+                out["anchor_ids"][i, k] = ids.setdefault(key, len(ids))
+            except TypeError:  # an unhashable state: compared by its repr
+                out["anchor_ids"][i, k] = ids.setdefault(("repr", repr(state)), len(ids))
+        p, k = len(t.prompt_ids), 0
+        for j, sp in enumerate(t.spans):
+            if sp.kind != "model":
+                continue
+            out["token_step"][i, p + sp.start : p + sp.end] = min(k, S - 1)
+            nxt = t.spans[j + 1] if j + 1 < len(t.spans) else None
+            if nxt is not None and nxt.reward is not None:  # an environment turn
+                k += 1
+    return out
+
+
+def _batch(
+    trajectories: Sequence[Trajectory],
+    scores: np.ndarray,
+    metrics: dict,
+    *,
+    rows: int,
+    pad_id: int,
+    baselines: np.ndarray | None = None,
+) -> Batch:
+    """Packs kept trajectories (G consecutive ones per group) and their per-row inputs."""
+    arrays = pack_trajectories(trajectories, pad_id=pad_id, rows=rows)
+    n = len(trajectories)
+    scores_R = np.zeros(rows, np.float32)
+    scores_R[:n] = scores
+    # Always built (cheap): a batch in which no turn reached the environment (every one cut by
+    # a limit) still feeds the per-turn estimators, with all step masks 0.
+    length = arrays["tokens"].shape[1]
+    steps = {
+        f"{k}_R{'T' if k == 'token_step' else 'S'}": v
+        for k, v in step_arrays(trajectories, rows=rows, length=length).items()
+    }
+    baseline_R = None
+    if baselines is not None:
+        baseline_R = np.zeros(rows, np.float32)
+        baseline_R[:n] = baselines
+    return Batch(
+        tokens_RT=arrays["tokens"],
+        positions_RT=arrays["positions"],
+        attention_RT=arrays["attention"],
+        loss_mask_RT=arrays["loss_mask"],
+        behaviour_logp_RT=arrays["behaviour_logp"],
+        scores_R=scores_R,
+        num_rows=n,
+        metrics=metrics,
+        baseline_R=baseline_R,
+        **steps,
+    )
+
+
 def make_batch(
     records: Sequence[Record],
     trajectories: Sequence[Trajectory],
@@ -122,24 +216,95 @@ def make_batch(
     group_size: int,
     rows: int,
     pad_id: int,
+    baselines: np.ndarray | None = None,
 ) -> Batch:
     """Scores trajectories (G consecutive ones per record), keeps the groups the filters keep,
-    and packs them into [rows, T] arrays; the rollout's statistics go in `Batch.metrics`."""
+    and packs them into [rows, T] arrays; the rollout's statistics go in `Batch.metrics`.
+    `baselines` ([len(records)], ReMax): each record's greedy-rollout reward, per row."""
     scores, parts = score_trajectories(reward, records, trajectories, group_size)
     keep_groups = filter_groups(scores, group_size, filters)
     keep = [g * group_size + j for g in keep_groups for j in range(group_size)]
     metrics = rollout_metrics(trajectories, scores, parts)
     metrics["filter/kept_groups_frac"] = len(keep_groups) / max(1, len(records))
-    arrays = pack_trajectories([trajectories[i] for i in keep], pad_id=pad_id, rows=rows)
-    scores_R = np.zeros(rows, np.float32)
-    scores_R[: len(keep)] = scores[keep]
-    return Batch(
-        tokens_RT=arrays["tokens"],
-        positions_RT=arrays["positions"],
-        attention_RT=arrays["attention"],
-        loss_mask_RT=arrays["loss_mask"],
-        behaviour_logp_RT=arrays["behaviour_logp"],
-        scores_R=scores_R,
-        num_rows=len(keep),
-        metrics=metrics,
+    base = None
+    if baselines is not None:
+        base = np.repeat(np.asarray(baselines, np.float32)[keep_groups], group_size)
+    return _batch(
+        [trajectories[i] for i in keep],
+        scores[keep],
+        metrics,
+        rows=rows,
+        pad_id=pad_id,
+        baselines=base,
     )
+
+
+def greedy_baselines(
+    sample: Callable[..., list[Trajectory]],
+    records: Sequence[Record],
+    reward: CompositeReward,
+) -> np.ndarray:
+    """ReMax's baseline: one greedy (temperature 0) rollout per record, scored by the run's
+    reward; [len(records)]. `sample(records, group_size, temperature=...)` is the sampler."""
+    trajs = sample(records, 1, temperature=0.0)
+    scores, _ = score_trajectories(reward, records, trajs, 1)
+    return np.asarray(scores, np.float32)
+
+
+def collect_batch(
+    next_records: Callable[[], Sequence[Record]],
+    sample: Callable[..., list[Trajectory]],
+    reward: CompositeReward,
+    filters: FiltersSection,
+    *,
+    group_size: int,
+    rows: int,
+    pad_id: int,
+    greedy_baseline: bool = False,
+) -> Batch:
+    """One update's batch, sampled in rounds: each round draws `next_records()` and samples
+    them with `sample(records, group_size)`; kept groups accumulate until `rows // group_size`
+    groups are kept or `filters.max_sampling_rounds` rounds ran (DAPO dynamic sampling:
+    only then are rounds repeated; other filters keep what one round gives). Surplus groups of
+    the last round are dropped; a batch still short after the last round trains on what it has.
+
+    With `greedy_baseline` (ReMax), the kept groups' records also get one greedy rollout each
+    (`greedy_baselines`), as `Batch.baseline_R`.
+
+    Metrics: the rollout statistics over every sampled trajectory, `filter/sampling_rounds`,
+    `filter/kept_groups_frac` (kept / sampled groups) and `filter/batch_fill` (kept groups /
+    groups of a full batch).
+    """
+    need = rows // group_size
+    max_rounds = filters.max_sampling_rounds if filters.dynamic_sampling else 1
+    kept: list[Trajectory] = []
+    kept_scores: list[np.ndarray] = []
+    kept_records: list[Record] = []
+    sampled: list[Trajectory] = []
+    all_scores: list[np.ndarray] = []
+    all_parts: dict[str, list] = {}
+    rounds = groups_seen = 0
+    while rounds < max_rounds and len(kept_records) < need:
+        records = list(next_records())
+        trajs = sample(records, group_size)
+        rounds += 1
+        groups_seen += len(records)
+        scores, parts = score_trajectories(reward, records, trajs, group_size)
+        sampled.extend(trajs)
+        all_scores.append(scores)
+        for name, values in parts.items():
+            all_parts.setdefault(name, []).extend(np.asarray(values).tolist())
+        for g in filter_groups(scores, group_size, filters)[: need - len(kept_records)]:
+            kept.extend(trajs[g * group_size : (g + 1) * group_size])
+            kept_scores.append(scores[g * group_size : (g + 1) * group_size])
+            kept_records.append(records[g])
+    metrics = rollout_metrics(sampled, np.concatenate(all_scores), all_parts)
+    metrics["filter/sampling_rounds"] = float(rounds)
+    metrics["filter/kept_groups_frac"] = len(kept_records) / max(1, groups_seen)
+    metrics["filter/batch_fill"] = len(kept_records) / max(1, need)
+    metrics["rollout/tokens"] = float(sum(len(t.response_ids) for t in sampled))
+    base = None
+    if greedy_baseline and kept_records:
+        base = np.repeat(greedy_baselines(sample, kept_records, reward), group_size)
+    scores_kept = np.concatenate(kept_scores) if kept_scores else np.zeros(0, np.float32)
+    return _batch(kept, scores_kept, metrics, rows=rows, pad_id=pad_id, baselines=base)

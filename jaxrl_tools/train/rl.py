@@ -16,6 +16,12 @@ of the master weights, taken inside the jitted function, so gradients arrive in 
 (accumulated in float32); log-softmax and losses are float32. The reference policy is kept in the
 compute dtype (it is only ever run forward).
 
+LoRA (`setup.lora`): the state's params are the adapters (so are the gradients and the AdamW
+moments); the policy's params stay frozen as `base`, in the compute dtype, passed to the jitted
+update as an argument. The reference policy is the base itself (adapters off, no copy), and
+`params` (what the engine decodes with) is the base with the adapters merged in, once per update
+(`train.lora`, `models.lora`).
+
 With a mesh, every jitted function has explicit in/out shardings: batches are split over the
 logical "batch" axis, params (and the optimizer moments, which mirror them) by
 `models.logical_axes`, counters replicated; functions are traced inside `sharding.use_mesh`, so
@@ -38,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_tools import algorithms, models, sharding
 from jaxrl_tools.config import AlgorithmSection, CriticSection, OptimSection
-from jaxrl_tools.train import objectives, policy
+from jaxrl_tools.train import lora, objectives, policy
 from jaxrl_tools.train.state import (
     create_train_state,
     make_optimizer,
@@ -66,6 +72,12 @@ class RLSetup:
         a `models.transformer.REMAT_POLICIES` name ("layer", "dots").
       dtypes: the policy's dtype policy (master weights, compute).
       attention: the attention implementation (`models.attention.IMPLS`).
+      lora: train LoRA adapters on the frozen policy (`models.LoraConfig`), or None (full
+        fine-tuning).
+      lora_decode: "merged" (the engine gets base + scale * A @ B, merged once per update) or
+        "adapters" (the engine runs the base with the adapters applied: no second copy).
+      checkpoint_base: with LoRA, checkpoint the frozen base too (it is not `model.path`'s
+        weights, e.g. after an SFT stage); otherwise checkpoints hold the adapters only.
     """
 
     rows: int
@@ -77,6 +89,9 @@ class RLSetup:
     remat: bool | str = False
     dtypes: models.DTypePolicy = models.DTypePolicy()
     attention: str = "auto"
+    lora: models.LoraConfig | None = None
+    lora_decode: str = "merged"
+    checkpoint_base: bool = False
 
 
 def _select_micro(batch: dict, idx_N: jax.Array, micro_batch_size: int, micro_sharding) -> dict:
@@ -134,6 +149,8 @@ class RLTrainer:
       setup: batch shape, temperature, horizon and seed (`RLSetup`).
       mesh: the device mesh (None: one device).
       rules: logical -> mesh axes table (default `sharding.DEFAULT_RULES`).
+      adapters: with `setup.lora`, the adapters to start from (e.g. a PEFT import); None: fresh
+        ones (B = 0: the policy starts as `params`).
 
     Raises:
       ValueError: the batch does not split into the mini/micro-batches, or (with a mesh) the
@@ -151,6 +168,7 @@ class RLTrainer:
         setup: RLSetup,
         mesh=None,
         rules=None,
+        adapters: Any = None,
     ):
         self.model_cfg, self.algorithm, self.optim, self.critic = (
             model_cfg,
@@ -184,11 +202,19 @@ class RLTrainer:
         self._setup_shardings(params)
         if self._param_sh is not None:
             params = jax.device_put(params, self._param_sh)
-        # The update donates the state: the reference policy needs buffers of its own (in the
-        # compute dtype: it only runs forward).
-        self.ref_params = (
-            jax.tree.map(jnp.copy, setup.dtypes.cast_for_compute(params)) if a.kl_coef > 0 else None
-        )
+        full_params = params
+        self.lora, self.base, self._decode_params = setup.lora, None, None
+        self._base_sh, self._policy_sh = None, self._param_sh
+        if self.lora is not None:  # the state (and optimizer) hold the adapters only
+            params = self._setup_lora(params, adapters)
+        if a.kl_coef <= 0:
+            self.ref_params = None
+        elif self.lora is not None:
+            self.ref_params = self.base  # the reference is the base: no copy (never donated)
+        else:
+            # The update donates the state: the reference policy needs buffers of its own (in
+            # the compute dtype: it only runs forward).
+            self.ref_params = jax.tree.map(jnp.copy, setup.dtypes.cast_for_compute(params))
         self.state = create_train_state(
             params, self.optimizer, setup.seed, param_shardings=self._param_sh
         )
@@ -199,7 +225,7 @@ class RLTrainer:
         self.acfg = objectives.advantage_config(a, critic, setup.group_size)
         self.critic_state = None
         if a.uses_critic:
-            critic_params = policy.init_value_head(model_cfg, params)
+            critic_params = policy.init_value_head(model_cfg, full_params)
             self.critic_optimizer = adamw(critic.lr, warmup_steps=critic.warmup_steps)
             if mesh is not None:
                 self._critic_sh = sharding.tree_shardings(
@@ -249,6 +275,25 @@ class RLTrainer:
                     f"axes {names} (mesh {dict(mesh.shape)})"
                 )
 
+    def _setup_lora(self, params, adapters):
+        """Keeps `params` as the frozen base (in the compute dtype: it only runs forward) and
+        returns the adapters (master dtype, sharded like their base kernels)."""
+        s = self.setup
+        self.base, self._base_sh = s.dtypes.cast_for_compute(params), self._param_sh
+        adapters, self._param_sh = lora.place_adapters(
+            self.model_cfg, self.lora, adapters, s.dtypes, s.seed, self.mesh, self.rules
+        )
+        if self.mesh is not None:  # shardings shaped like `_policy_params()`, static fields too
+            self._policy_sh = models.with_lora(self._base_sh, self._param_sh, self.lora)
+        lora.log_setup(self.lora, adapters, s.lora_decode)
+        return adapters
+
+    def _policy_params(self):
+        """What the policy's forward passes take: the params, or the base with the adapters."""
+        if self.lora is None:
+            return self.state.params
+        return models.with_lora(self.base, self.state.params, self.lora)
+
     def _jit(self, fn: Callable, *, in_shardings=None, out_shardings=None, **kwargs) -> Callable:
         """jax.jit, with shardings and traced (and run) inside `use_mesh` when there is a mesh."""
         if self.mesh is None:
@@ -296,19 +341,40 @@ class RLTrainer:
 
         def with_selection(update):
             # Mini-batch rows are gathered inside the jit: the batch stays where it is placed.
-            def run(state, batch, idx_N):
-                return update(state, _select_micro(batch, idx_N, mbs, micro))
+            def run(state, batch, idx_N, *frozen):
+                return update(state, _select_micro(batch, idx_N, mbs, micro), *frozen)
 
             return run
 
         self._logprobs = self._jit(
             _micro_mapped(logprobs, self.rows, mbs, micro),
-            in_shardings=(self._param_sh, rows),
+            in_shardings=(self._policy_sh, rows),
             out_shardings=(rows, rows),
         )
+        # The reference policy: with LoRA the base alone (adapters off), another structure.
+        self._ref_logprobs = self._logprobs
+        if self.lora is None:
+            update = make_update(actor_loss, self.optimizer, denoms_fn=actor_denom)
+            frozen_sh = ()
+        else:
+            update = lora.make_lora_update(
+                actor_loss, self.optimizer, self.lora, denoms_fn=actor_denom
+            )
+            frozen_sh = (self._base_sh,)
+            self._ref_logprobs = self._jit(
+                _micro_mapped(logprobs, self.rows, mbs, micro),
+                in_shardings=(self._base_sh, rows),
+                out_shardings=(rows, rows),
+            )
+            lc = self.lora
+            self._merge = self._jit(
+                lambda base, adapters: models.merge(base, adapters, lc),
+                in_shardings=(self._base_sh, self._param_sh),
+                out_shardings=self._base_sh,
+            )
         self._actor_update = self._jit(
-            with_selection(make_update(actor_loss, self.optimizer, denoms_fn=actor_denom)),
-            in_shardings=(self._state_sh, rows, rep),
+            with_selection(update),
+            in_shardings=(self._state_sh, rows, rep, *frozen_sh),
             out_shardings=(self._state_sh, rep),
             donate_argnums=0,
         )
@@ -366,7 +432,20 @@ class RLTrainer:
 
     @property
     def params(self):
-        return self.state.params
+        """The policy's weights for the engine, evaluation and export: the state's params; with
+        LoRA the base with the adapters merged in (once per update; `setup.lora_decode`
+        "adapters": a `models.LoraParams` view instead, no second copy of the weights)."""
+        if self.lora is None:
+            return self.state.params
+        adapters = self.state.params
+        if self._decode_params is None or self._decode_params[0] is not adapters:
+            if self.setup.lora_decode == "adapters":
+                view = models.with_lora(self.base, adapters, self.lora)
+            else:
+                self._decode_params = None  # drop the previous merged copy first
+                view = self._merge(self.base, adapters)
+            self._decode_params = (adapters, view)
+        return self._decode_params[1]
 
     def step(self, batch: Batch) -> dict[str, float]:
         """One RL update on a Batch; returns the batch's metrics plus the update's."""
@@ -387,10 +466,22 @@ class RLTrainer:
         b = {k: self._place(v) for k, v in b.items()}
         seqs = {k: b[k] for k in ("tokens", "positions", "attention", "loss_mask")}
         if not self.single_update:
-            b["old_logp"], _ = self._logprobs(self.state.params, seqs)
+            b["old_logp"], _ = self._logprobs(self._policy_params(), seqs)
         if self.ref_params is not None:
-            b["ref_logp"], _ = self._logprobs(self.ref_params, seqs)
+            b["ref_logp"], _ = self._ref_logprobs(self.ref_params, seqs)
         adv_inputs = {"loss_mask_BT": b["loss_mask"], "scores_B": self._place(batch.scores_R)}
+        # Per-turn inputs (GiGPO, Kevin) and the greedy baseline (ReMax), where the estimator
+        # reads them; a required one the batch lacks fails in compute_advantages, naming it.
+        reads = algorithms.estimator_inputs(self.algorithm.adv_estimator)
+        for key, value in (
+            ("step_rewards_BS", batch.step_rewards_RS),
+            ("step_mask_BS", batch.step_mask_RS),
+            ("anchor_ids_BS", batch.anchor_ids_RS),
+            ("token_step_BT", batch.token_step_RT),
+            ("baseline_B", batch.baseline_R),
+        ):
+            if value is not None and key in reads:
+                adv_inputs[key] = self._place(value)
         a = self.algorithm
         if a.kl_in_reward and self.ref_params is not None:
             adv_inputs["kl_BT"] = (
@@ -401,6 +492,8 @@ class RLTrainer:
             adv_inputs["values_BT"] = b["old_values"]
         b["advantages"], b["returns"] = self._advantages(adv_inputs, batch.num_rows)
         metrics.update(self._update(b))
+        if self.lora is not None:  # which weights the engine decodes with (see `params`)
+            metrics["lora/merged_decode"] = float(self.setup.lora_decode == "merged")
         jax.block_until_ready(self.state.params)
         t_update = time.perf_counter() - t1
         n_tokens = float(np.sum(batch.attention_RT))
@@ -440,7 +533,8 @@ class RLTrainer:
                 m = {}
                 if self._actor_moves():
                     actor_batch = {key: batch[key] for key in actor_keys}
-                    self.state, m = self._actor_update(self.state, actor_batch, idx)
+                    frozen = () if self.lora is None else (self.base,)
+                    self.state, m = self._actor_update(self.state, actor_batch, idx, *frozen)
                     m = {f"actor/{key}": v for key, v in m.items()}
                 if self.critic_state is not None:
                     critic_batch = {key: batch[key] for key in _CRITIC_KEYS}
@@ -459,13 +553,20 @@ class RLTrainer:
         state = {"actor": self.state}
         if self.critic_state is not None:
             state["critic"] = self.critic_state
-        if self.ref_params is not None:
+        if self.ref_params is not None and self.lora is None:  # LoRA's reference is the base
             state["ref"] = self.ref_params
+        if self.lora is not None and self.setup.checkpoint_base:
+            state["base"] = self.base
         return state
 
     def load_checkpoint_state(self, state: dict) -> None:
         self.state = state["actor"]
         if self.critic_state is not None:
             self.critic_state = state["critic"]
-        if self.ref_params is not None:
+        if "base" in state:
+            if self.ref_params is self.base:
+                self.ref_params = state["base"]
+            self.base = state["base"]
+        if self.ref_params is not None and self.lora is None:
             self.ref_params = state["ref"]
+        self._decode_params = None

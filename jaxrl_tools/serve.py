@@ -33,12 +33,12 @@ log = logging.getLogger(__name__)
 
 def _driver_class(orchestrator):
     class Driver(orchestrator.Driver):
-        """JetStream 0.2.2's Driver with two changes.
+        """JetStream 0.2.2's Driver with three changes.
 
-        Token ids are made an array (JetStream's padding needs one), and no BOS is added to a
-        request: a text request's chat template already has the one the
-        model was trained with (if any), and token ids are taken as sent (JetStream would
-        prepend one to every new conversation, and fails on a tokenizer without one, as Qwen's).
+        Token ids are made an array (JetStream's padding needs one). No BOS is added to a
+        request: a text request's chat template already has the one the model was trained with
+        (if any), and token ids are taken as sent (JetStream would prepend one to every new
+        conversation, and fails on a tokenizer without one, as Qwen's).
 
         Its generate thread is restarted when it asserts: the generate loop asserts that some
         slot is busy after looking for new requests; when the detokenize thread frees the last
@@ -57,7 +57,8 @@ def _driver_class(orchestrator):
                 try:
                     return super()._generate_thread(idx)
                 except AssertionError as e:
-                    if self._generate_slots[idx].qsize() < self._generate_engines[idx].slots:
+                    slots = self._generate_engines[idx].max_concurrent_decodes
+                    if self._generate_slots[idx].qsize() < slots:
                         raise  # a slot is busy: a real failure
                     log.info("generate thread %d: all slots came free mid-step (%s)", idx, e)
 
@@ -179,14 +180,14 @@ def start_server(
 
     from jaxrl_tools.rollout.jetstream import import_orchestrator  # noqa: PLC0415
 
+    if tools and not cfg.tools:  # before anything loads
+        raise ConfigError("serve --tools: the recipe declares no tools (its `tools:` section)")
     orchestrator = import_orchestrator()
     from jetstream.core import server_lib  # noqa: PLC0415  (after the logging fix-up above)
 
     mesh = run.make_mesh(cfg)
     model_cfg, params, tokenizer, what = _load_policy(cfg, from_checkpoint, step, mesh)
     if tools:
-        if not cfg.tools:
-            raise ConfigError("serve --tools: the recipe declares no tools (its `tools:` section)")
         started = run.setup_tools(cfg)
         sampler = run.make_sampler(cfg, model_cfg, params, tokenizer, started, mesh)
         servicer = tool_servicer(sampler, params, cfg.rollout.eval_temperature)

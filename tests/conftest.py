@@ -8,6 +8,8 @@ import pytest
 
 # One XLA compilation cache for the run, inherited by the subprocess tests (resume, CLI, the
 # 8-device sharding runs), which compile the same programs again in each process.
+# Every compile, not only those over a second: the subprocess tests repeat many small ones.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _XLA_CACHE = tempfile.mkdtemp(prefix="jaxrl_tests_xla_cache_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE

@@ -1,6 +1,7 @@
 """Same seed, same run: two whole training runs (sampling, rewards, update) on the same 2x2x2 mesh
-of 8 simulated devices give the same rollouts, rewards and parameters bit for bit; a third run
-with another seed samples other tokens (so the comparison can fail).
+of 8 simulated devices give the same rollouts, rewards and parameters bit for bit. The recorded
+rollouts differ from step to step and the parameters move, so equal records are not empty ones
+(a resumed run that lost its RNG state fails the same comparison in tests/test_resume.py).
 
 The 8-device side runs in a subprocess (this file executed as a script: `python
 tests/test_determinism.py OUT_DIR`), like tests/test_train_rl_sharding.py. The run is
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from fakes import run_on_8_devices
 
-RUNS = {"first": 5, "again": 5, "other_seed": 6}  # name -> trainer.seed
+RUNS = {"first": 5, "again": 5}  # name -> trainer.seed
 STEPS = 2
 TIMINGS = ("time", "throughput/")
 
@@ -40,17 +41,16 @@ def test_same_seed_same_rollouts_rewards_and_metrics(out):
     assert again["responses"] == first["responses"]
     assert again["metrics"] == first["metrics"]
     assert any(m["reward/std"] > 0 for m in first["metrics"])  # the reward does vary
-    # Another seed draws other samples: the comparison above would see a difference.
-    assert report["other_seed"]["responses"] != first["responses"]
+    # The records are real: each step sampled other tokens than the step before.
+    assert first["responses"][0] != first["responses"][1]
 
 
 def test_same_seed_same_parameters_bitwise(out):
-    first, again, other = (_params(out, name) for name in RUNS)
+    first, again = (_params(out, name) for name in RUNS)
     init = _params(out, "init")
     assert max(float(np.abs(first[k] - init[k]).max()) for k in first) > 1e-4  # it trained
     for k in first:
         np.testing.assert_array_equal(again[k], first[k], err_msg=k)
-    assert any(not np.array_equal(other[k], first[k]) for k in first)
 
 
 # ------------------------------------------------------------------------------------------------

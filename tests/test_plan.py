@@ -153,6 +153,9 @@ def test_train_and_check_refuse_a_run_that_cannot_fit(tmp_path, capsys, monkeypa
     from jaxrl_tools.config_loader import load_config
 
     monkeypatch.setattr(plan, "device_memory", lambda: 2**20)
+    # The tiny run's real figures are well over 1 MiB; faked here (compiling is tested above).
+    m = plan.Memory(arguments=2**21, outputs=0, temporaries=0, aliased=0)
+    monkeypatch.setattr(plan, "plan_memory", lambda *a, **kw: dict.fromkeys(plan.FUNCTIONS, m))
     cfg = load_config(_run_config(tmp_path), [])
     try:
         plan.check_fits(cfg, None)

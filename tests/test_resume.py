@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from fakes import TINY_RUN_MODEL
 
-STEPS = 8
+STEPS = 6
 EVERY = 2
 HERE = Path(__file__).resolve().parent
 

@@ -30,6 +30,7 @@ RUNS = {
 STEPS = 3
 # The critic's sharding is the policy's plus a head: one mesh is enough for PPO (2 cores).
 RUN_MESHES = {"grpo": MESHES, "ppo": ("2x2x2",)}
+SFT_MESHES = ("2x2x2",)  # SFT shares the update with RL: one mesh is enough (CI time)
 CASES = [(run, mesh) for run, meshes in RUN_MESHES.items() for mesh in meshes]
 
 
@@ -50,7 +51,7 @@ def test_sharded_steps_match_single_device(report, run, mesh):
         assert r["critic_max_abs_diff"] <= 2e-5, r
 
 
-@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("mesh", SFT_MESHES)
 def test_sharded_sft_matches_single_device(report, mesh):
     r = report["sft"][mesh]
     assert r["params_max_update"] > 1e-3
@@ -212,7 +213,7 @@ def _main(out_dir: str) -> None:
             report[name][shape] = r
     sft_ref, sft_init = _sft(None), jax.tree.map(np.asarray, _sft_init())
     report["sft"] = {}
-    for shape in MESHES:
+    for shape in SFT_MESHES:
         sharded = _sft(make_mesh(shape))
         report["sft"][shape] = {
             "params_max_update": max(

@@ -1,4 +1,4 @@
-"""`jaxrl-tools`: demo, train, check, plan, sft, eval, export, repro, serve.
+"""`jaxrl-tools`: demo, train, check, plan, sft, eval, export, repro, serve, prepare.
 
 Every subcommand takes `--config` (a YAML file or a shipped recipe name) and dotted overrides
 (`trainer.steps=10 optim.lr=1e-6`, `--trainer.steps 10`). A mistake in the config, the data,
@@ -20,6 +20,7 @@ from jaxrl_tools import check, configs, plan, run, sharding, smoke
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import load_config
 from jaxrl_tools.data import DataError
+from jaxrl_tools.datasets import prepare
 from jaxrl_tools.interop.repro import repro
 from jaxrl_tools.tools import SandboxUnavailableError
 from jaxrl_tools.train.signals import RunInterrupted
@@ -36,6 +37,9 @@ _VALUE_OPTIONS = (
     "--accelerator",
     "--memory-gib",
     "--port",
+    "--coordinator",
+    "--num-processes",
+    "--process-id",
 )
 _DOTTED_OPTION = re.compile(r"^--[A-Za-z_][\w\[\]]*[.\[][\w.\[\]]*(=.*)?$", re.DOTALL)
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][\w.\[\]]*=", re.DOTALL)
@@ -168,6 +172,27 @@ def _mesh_shape(text: str) -> tuple[int, int, int]:
     return d, f, t
 
 
+def _process_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "multi-process launch (the same command on every host; default: the environment's "
+        "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or JAXRL_DISTRIBUTED=auto)"
+    )
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+    g.add_argument("--num-processes", type=int, metavar="N")
+    g.add_argument("--process-id", type=int, metavar="I", help="0..N-1, this process's rank")
+
+
+def _start_processes(args) -> None:
+    """Joins the multi-process job (if any) before anything touches a device."""
+    try:
+        sharding.distributed.set_process_flags(  # (subcommands without the flags: None)
+            *(getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id"))
+        )
+        sharding.initialize_distributed()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="jaxrl-tools",
@@ -180,6 +205,7 @@ def main(argv=None) -> int:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--config", help=f"YAML file or shipped recipe (default {DEMO_CONFIG})")
         p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+        _process_flags(p)
         return p
 
     smoke_help = (
@@ -248,6 +274,12 @@ def main(argv=None) -> int:
     p.add_argument(
         "--trl", action="store_true", help="also run TRL's GRPO loss (pip install trl) and compare"
     )
+    p = sub.add_parser(
+        "prepare",
+        help="convert a downloaded benchmark (DAPO-Math-17K, AIME24, MATH, NQ/HotpotQA, wiki-18, "
+        "BFCL) into the file a recipe reads; prints its sha256",
+    )
+    prepare.add_arguments(p)
     rest, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(rest)
     args.overrides = [*overrides, *args.overrides]
@@ -257,6 +289,9 @@ def main(argv=None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
     try:
+        if args.command == "prepare":  # no config, no devices
+            return prepare.run(args)
+        _start_processes(args)
         code = _dispatch(args, _load(args))
     except USER_ERRORS as e:
         # A bad config, data file or line, model or tokenizer folder, a machine without the
@@ -267,6 +302,10 @@ def main(argv=None) -> int:
     except RunInterrupted as e:  # Ctrl-C / SIGTERM: the step finished and was saved
         print(f"jaxrl-tools: {e}", file=sys.stderr)
         return e.exit_code
+    except Exception as e:
+        if jax.distributed.is_initialized():  # e.g. a dead peer: one line, no shutdown wait
+            sharding.distributed.exit_job(e)
+        raise
     return code or 0
 
 

@@ -29,6 +29,7 @@ ADVANTAGE_INPUT_SOURCES = {
     "step_rewards_BS": "multi-turn environment steps (an env section: env.name)",
 }
 STEP_INPUTS = {"step_rewards_BS", "step_mask_BS", "anchor_ids_BS", "token_step_BT"}
+TASKS = ("tool_arithmetic", "function_calling")  # generated data (`data.task`)
 
 
 class ConfigError(ValueError):
@@ -206,7 +207,8 @@ class DataSection:
     # counted (true) or an error at start-up (false).
     drop_long_prompts: bool = False
     max_eval_records: int | None = None  # evaluate on the first N eval records only (null: all)
-    # Generated tool-arithmetic task (the demo) when train_files is empty.
+    # Generated data when train_files is empty: tool_arithmetic (the demo) or function_calling
+    # (task_difficulty is then the most tools shown per prompt).
     task: str | None = None
     task_train_size: int = 2000
     task_eval_size: int = 200
@@ -223,7 +225,7 @@ class DataSection:
             "must be >= 1 (or null for all)",
         )
         if self.task is not None:
-            _check_choice(self.task, "data.task", ("tool_arithmetic",))
+            _check_choice(self.task, "data.task", TASKS)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,10 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_tools.datasets import call_metrics
 from jaxrl_tools.rewards import CompositeReward, is_correct
+from jaxrl_tools.rewards.tool_calls import ground_truth_calls
+from jaxrl_tools.tools import read_tool_calls
 from jaxrl_tools.train.batch import rollout_metrics, score_trajectories
 from jaxrl_tools.types import Record, Sampler
 
@@ -51,6 +54,8 @@ def evaluate(
     metrics["reward/accuracy"] = float(correct.mean())
     if g > 1:  # pass@g: any of a problem's g samples correct
         metrics[f"reward/pass@{g}"] = float(correct.reshape(-1, g).any(axis=1).mean())
+    if kind == "tool_calls":  # function calling: the calls against the ground truth's
+        metrics.update(function_call_metrics([t.response_text for t in trajs], gts))
     levels = np.array([records[i // g].get("difficulty", -1) for i in range(len(trajs))])
     for lv in sorted(set(levels.tolist()) - {-1}):
         sel = levels == lv
@@ -66,3 +71,16 @@ def evaluate(
         for i in range(min(3, len(trajs)))
     ]
     return metrics
+
+
+def function_call_metrics(responses: Sequence[str], ground_truths: Sequence[Any]) -> dict:
+    """`calls/...`: exact-call accuracy, name and argument F1, no-call precision
+    (`datasets.call_metrics`) and the fraction of responses that call. A response whose
+    <tool_call> block does not parse counts as one call that matches nothing."""
+    unreadable = [{"name": None, "arguments": {}}]
+    predicted = [read_tool_calls(r) for r in responses]
+    predicted = [unreadable if p is None else p for p in predicted]
+    truth = [ground_truth_calls(gt) for gt in ground_truths]
+    out = {f"calls/{k}": v for k, v in call_metrics(predicted, truth).items()}
+    out["calls/call_rate"] = float(np.mean([bool(p) for p in predicted])) if predicted else 0.0
+    return out

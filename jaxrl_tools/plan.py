@@ -163,15 +163,8 @@ def plan_memory(
     seqs["loss_mask"] = _struct((b, T), jnp.float32)
 
     cache_axes = models.cache_axes()
-    cache_shape = (
-        model_cfg.num_hidden_layers,
-        slots,
-        cache_len,
-        model_cfg.num_key_value_heads,
-        model_cfg.head_dim,
-    )
-    cache = models.KVCache(
-        k=_struct(cache_shape, dtypes.cache_dtype), v=_struct(cache_shape, dtypes.cache_dtype)
+    cache = jax.eval_shape(
+        lambda: models.init_cache(model_cfg, slots, cache_len, dtype=dtypes.cache_dtype)
     )
     cache_sh = sharding.tree_shardings(cache_axes, mesh, rules, shapes=cache)
     B, V = slots, model_cfg.vocab_size

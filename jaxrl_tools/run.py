@@ -256,6 +256,9 @@ def run_sft(cfg: RunConfig, model_cfg, params, tokenizer, mesh=None):
 
 
 def write_json(path: Path, obj: Any) -> None:
+    """Writes `obj` as JSON (process 0 only: in a multi-process job every process has it)."""
+    if not sharding.is_main_process():
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     default = lambda x: x.tolist() if isinstance(x, np.generic | np.ndarray) else str(x)
     path.write_text(json.dumps(obj, indent=2, default=default))
@@ -352,6 +355,7 @@ def train(
         with StopOnSignal() as stop:
             for step in range(start + 1, t.steps + 1):
                 records = next(loader)
+                reward.step = step  # for rewards scheduled over training (ToolRL's scale)
                 t0 = time.perf_counter()
                 # DAPO dynamic sampling draws more prompts (rounds) until the batch is full.
                 first = [records]
@@ -537,7 +541,8 @@ def demo(cfg: RunConfig, *, baseline_reward: str | None = None) -> dict:
         baseline["reward_name"] = baseline_reward
     summary["wall_time_s"] = time.perf_counter() - t0
     text = report.demo_report(summary, baseline)
-    (out / "report.md").write_text(text)
+    if sharding.is_main_process():
+        (out / "report.md").write_text(text)
     keep = lambda d: {k: v for k, v in d.items() if k not in _NOT_JSON}
     write_json(
         out / "report.json", {**keep(summary), "baseline": keep(baseline) if baseline else None}

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from jaxrl_tools import models
 from jaxrl_tools.config import ConfigError, RunConfig, TinyModelConfig
+from jaxrl_tools.demo.task import tokenizer_texts
 from jaxrl_tools.demo.tokenizer import build_mismatch
 from jaxrl_tools.rollout.kernels import next_pow2
 
@@ -168,7 +169,10 @@ def clear_outputs(cfg: RunConfig) -> None:
     root = SMOKE_ROOT.resolve()
     folders = [cfg.trainer.checkpoint_dir, cfg.trainer.log_dir]
     t = cfg.tokenizer
-    if t.build and build_mismatch(cfg.tokenizer_path, vocab_size=t.vocab_size, seed=t.seed):
+    extra = len(tokenizer_texts(cfg.data))
+    if t.build and build_mismatch(
+        cfg.tokenizer_path, vocab_size=t.vocab_size, seed=t.seed, n_extra_texts=extra
+    ):
         folders.append(cfg.tokenizer_path)
     for folder in folders:
         path = Path(folder).resolve()

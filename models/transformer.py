@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_tools.models import attention as attn_lib
-from jaxrl_tools.models.cache import KVCache
+from jaxrl_tools.models.cache import CACHE_AXES, KVCache, from_stored, to_stored
 from jaxrl_tools.models.config import ModelConfig, rope_inv_freq
 from jaxrl_tools.models.lora import LoraParams
 from jaxrl_tools.sharding import constrain, sharded_init
@@ -217,12 +217,15 @@ class Attention(nn.Module):
             B = x_BTD.shape[0]
             rows = jnp.arange(B)[:, None]
             ck, cv = cache
-            ck = ck.at[layer_idx, rows, write_pos_BT].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[layer_idx, rows, write_pos_BT].set(v.astype(cv.dtype), mode="drop")
+            at = (layer_idx, rows, write_pos_BT)
+            # (constrained: left to itself, the partitioner may pick a layout for the written
+            # uint16 cache that no mesh axis assignment describes)
+            ck = constrain(ck.at[at].set(to_stored(k, ck.dtype), mode="drop"), CACHE_AXES)
+            cv = constrain(cv.at[at].set(to_stored(v, cv.dtype), mode="drop"), CACHE_AXES)
             cache = (ck, cv)
             live = mask[1].shape[1]
-            k = ck[layer_idx, :, :live].astype(q.dtype)
-            v = cv[layer_idx, :, :live].astype(q.dtype)
+            k = from_stored(ck[layer_idx, :, :live]).astype(q.dtype)
+            v = from_stored(cv[layer_idx, :, :live]).astype(q.dtype)
 
         q_pos_BT, kv_valid_BS, kv_lengths_B = mask
         out = attn_lib.attention(

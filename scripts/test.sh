@@ -7,4 +7,6 @@ export VENV="${VENV:-.venv}"
 bash scripts/setup.sh --test
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
-"$VENV/bin/pytest" tests "$@"
+# One worker per core (at most 4: each holds a JAX runtime); a file's tests stay on one worker,
+# so a module's expensive fixture (an 8-device run, a trained tokenizer) is built once.
+"$VENV/bin/pytest" -n auto --maxprocesses 4 --dist loadfile tests "$@"

@@ -345,24 +345,18 @@ def test_eval_and_export_mistakes(base, capsys, tmp_path):
 
 def _stand_in_data(d: Path) -> dict[str, list[str]]:
     """Overrides pointing the recipes without shipped data at small generated files."""
+    # Recipes name their shipped data relative to the repository root, where users run them.
+    (d / "data").symlink_to(ROOT / "data")
     math = jsonl(
         d / "math.jsonl", [{"prompt": f"{i}+1?", "ground_truth": str(i + 1)} for i in range(6)]
-    )
-    qa = jsonl(
-        d / "qa.jsonl", [{"question": f"Who wrote {i}?", "golden_answers": ["x"]} for i in range(6)]
-    )
-    corpus = jsonl(
-        d / "corpus.jsonl", [{"title": f"B{i}", "text": f"x wrote {i}"} for i in range(6)]
     )
     files = [f"data.train_files={math}", f"data.eval_files={math}"]
     return {
         "retool": files,
         "dapo": files,
-        "search_r1": [
-            f"data.train_files={qa}",
-            f"data.eval_files={qa}",
-            f"tools.0.config.corpus_path={corpus}",
-        ],
+        "torl": files,
+        "zerotir": files,
+        "artist": files,
     }
 
 

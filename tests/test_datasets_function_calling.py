@@ -140,6 +140,20 @@ def test_generated_records_are_valid_varied_and_deterministic():
                 assert str(v) in r["prompt"][-1]["content"], (c, r["prompt"])
 
 
+def test_generator_options_tools_shown_and_short_schemas():
+    records = generate(100, seed=5, num_tools=(2, 2), param_descriptions=False)
+    for r in records:  # two tools, three when two are called: a distractor always
+        assert len(r["tools"]) == max(2, len(r["ground_truth"]) + 1)
+        for t in r["tools"]:
+            props = t["function"]["parameters"]["properties"].values()
+            assert props and all("description" not in p and "type" in p for p in props)
+    assert all(valid_record(r) for r in records)
+    # the defaults are unchanged by the options: same records as before they existed
+    assert generate(20, seed=1) == generate(20, seed=1, num_tools=(3, 5))
+    with pytest.raises(ValueError, match="num_tools"):
+        generate(1, num_tools=(1, 3))
+
+
 def test_ground_truth_scores_full_marks_as_a_tool_call_answer():
     for r in generate(30, seed=4):
         blocks = "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in r["ground_truth"])

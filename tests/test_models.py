@@ -1,6 +1,7 @@
 """jaxrl_tools.models: parity with transformers (PyTorch), KV cache, HF I/O, errors."""
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -212,8 +213,24 @@ def test_cache_chunks_at_explicit_positions_rows_of_different_lengths(loaded):
 def test_cache_axes_and_shapes():
     config = M.ModelConfig("qwen2", 256, 64, 128, 2, 4, 2, 16, attention_bias=True)
     cache = M.init_cache(config, 3, 7, dtype=jnp.bfloat16)
-    assert cache.k.shape == (2, 3, 7, 2, 16) and cache.v.dtype == jnp.bfloat16
+    assert cache.k.shape == (2, 3, 7, 2, 16) and cache.dtype == jnp.bfloat16
     assert M.cache_axes().k == ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+
+
+def test_bf16_cache_writes_in_place():
+    """A decode step's temporaries stay far below the cache with a bfloat16 cache, as with a
+    float32 one (XLA's CPU backend once converted the whole bfloat16 cache to float32 and back in
+    every layer's write: 2x the cache in temporaries)."""
+    config = M.ModelConfig("qwen2", 256, 64, 128, 2, 4, 2, 16)
+    params = M.param_shapes(config, jnp.bfloat16)
+    tok = jax.ShapeDtypeStruct((8, 1), jnp.int32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        cache = jax.eval_shape(functools.partial(M.init_cache, config, 8, 8192, dtype=dtype))
+        step = jax.jit(
+            lambda p, c, t: M.forward_cached(config, p, t, t, c, attend_len=64), donate_argnums=1
+        )
+        memory = step.lower(params, cache, tok).compile().memory_analysis()
+        assert memory.temp_size_in_bytes < 0.1 * M.cache_bytes(config, 8, 8192, dtype), dtype
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """Agent loop: HF greedy parity without tools, scripted tool calls (budget, malformed calls,
-stop strings ending mid-token), RAGEN-style environment turns."""
+stop strings ending mid-token), RAGEN-style environment turns, decoding while a tool runs."""
+
+import asyncio
+import time
 
 import jax
 import jax.numpy as jnp
@@ -226,6 +229,52 @@ def test_scripted_qwen_tool_calls_with_budget(tiny, tok):
             ),
         )
         assert t.num_turns == 3
+
+
+def test_other_slots_decode_while_a_slow_tool_runs(tiny, tok):
+    """The first tool call sleeps 1 s; meanwhile the other slot gets its (instant) result, finishes
+    its sample and starts the next ones: decode chunks run during the sleep."""
+    call = '<tool_call>\n{"name": "slow", "arguments": {"x": 1}}\n</tool_call>'
+    eng, params = _engine(tiny, tok, [call, "Done.<|im_end|>"])
+    chunks, sleeps = [], []
+    generate_steps = eng.generate_steps
+
+    def timed_generate_steps(*args, **kwargs):
+        chunks.append(time.monotonic())
+        return generate_steps(*args, **kwargs)
+
+    eng.generate_steps = timed_generate_steps
+
+    @function_tool
+    async def slow(x: int) -> str:
+        """Slow once, when asked."""
+        if sleeps == ["armed"]:
+            sleeps[0] = time.monotonic()
+            await asyncio.sleep(1.0)
+            sleeps.append(time.monotonic())
+        return "ok"
+
+    def rollouts():
+        return run_rollouts(
+            eng,
+            params,
+            [[{"role": "user", "content": "Go."}]],
+            tokenizer=tok,
+            num_samples=4,
+            protocol="qwen",
+            executor=ToolExecutor([slow]),
+            sampling=GREEDY,
+            limits=RolloutLimits(max_tool_calls=1, chunk_size=8, max_response_tokens=200),
+        )
+
+    for _ in range(2):  # the first run compiles every call (a compile blocks the event loop)
+        chunks.clear()
+        sleeps[:] = ["armed"]
+        assert [t.finish_reason for t in rollouts()] == ["eos"] * 4
+    start, end = sleeps
+    during = [t for t in chunks if start < t < end]
+    # samples 2-4 on the other slot: at least their calls and answers are decoded meanwhile
+    assert len(during) >= 3, (len(during), [round(t - start, 3) for t in chunks], end - start)
 
 
 def test_stop_string_mid_token_malformed_call_and_errors(tiny, tok):

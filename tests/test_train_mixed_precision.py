@@ -125,7 +125,7 @@ def test_engine_serves_a_bf16_copy_of_the_master_weights_refreshed_per_update(up
     )
     newer = jax.tree.map(lambda x: x + 1.0, master)
     assert eng.serving_params(newer) is not served
-    assert eng.init_decode_state().cache.k.dtype == jnp.bfloat16
+    assert eng.init_decode_state().cache.dtype == jnp.bfloat16
 
 
 def test_model_dtype_fields_are_checked():

@@ -9,6 +9,7 @@ Public API (see each module's docstring):
   SandboxConfig, SandboxUnavailableError, check_isolation     (sandbox)
   SandboxPool, ExecResult, run_code, run_code_sync, make_http_server (pool; Sandbox Fusion)
   PythonTool, SearchTool, BM25Index, CalculatorTool, safe_eval, function_tool
+  WebSearchTool, BrowseTool, WebBackend, LocalPages, SearchHit (DeepResearcher: browse)
 """
 
 from jaxrl_tools.tools.base import (
@@ -22,6 +23,7 @@ from jaxrl_tools.tools.base import (
     tool_class,
     truncate_middle,
 )
+from jaxrl_tools.tools.browse import BrowseTool, LocalPages, SearchHit, WebBackend, WebSearchTool
 from jaxrl_tools.tools.calculator import CalculatorError, CalculatorTool, safe_eval
 from jaxrl_tools.tools.executor import ToolExecutor, validate_arguments
 from jaxrl_tools.tools.functions import FunctionTool, function_tool
@@ -52,6 +54,7 @@ __all__ = [
     "PARSERS",
     "TOOL_REGISTRY",
     "BM25Index",
+    "BrowseTool",
     "CalculatorError",
     "CalculatorTool",
     "ExecResult",
@@ -71,10 +74,14 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolExecutor",
+    "WebBackend",
+    "WebSearchTool",
     "check_isolation",
     "create_tool",
     "format_passages",
     "function_tool",
+    "LocalPages",
+    "SearchHit",
     "get_parser",
     "last_traceback_line",
     "load_tools_yaml",

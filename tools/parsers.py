@@ -13,6 +13,7 @@ Each parser has:
   torl:      ```python ... ``` then ```output -> result, then ```
   retool:    <code>...</code> (a ```python fence inside is fine) -> <interpreter>...</interpreter>
   search_r1: <search>query</search> -> <information>top-k passages</information>
+  artist:    <tool>code or {"name", "arguments"}</tool> -> <output>...</output>
 
 `parse` never raises, whatever the model wrote: JSON that Python cannot hold safely (deep
 nesting, integers past the int-string digit limit, NaN/Infinity, unpaired surrogates) is a parse
@@ -370,7 +371,44 @@ class SearchR1Parser(_TagParser):
         return "\n\n<information>" + "\n".join(t.strip() for t in obs_texts) + "</information>\n\n"
 
 
+class ArtistParser(_TagParser):
+    """ARTIST (arXiv 2505.01441): <tool>...</tool> -> <output>...</output>, between <think>
+    blocks, ending with <answer>. The body is a function call when it is a JSON object with a
+    string "name" ({"name": .., "arguments": {..}}, the paper's function-calling setting), else
+    Python code for `tool_name` (its math setting; a ```python fence inside is stripped)."""
+
+    name = "artist"
+    tag, arg = "tool", "code"
+
+    def __init__(self, tool_name: str = "python"):
+        super().__init__(tool_name)
+
+    _body = ReToolParser._body
+
+    def parse(self, text: str) -> ParseResult:
+        result = super().parse(text)
+        if not result.calls:
+            return result
+        code = result.calls[0].arguments["code"]
+        if not code.lstrip().startswith("{"):
+            return result
+        obj, err = _decode_json(code.strip())
+        if err or not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return result  # not a function call: run it as code (the tool reports errors)
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if not isinstance(args, dict):
+            return ParseResult(
+                error=f"Error: 'arguments' of <tool> must be a JSON object, "
+                f"got {type(args).__name__}"
+            )
+        return ParseResult(calls=[ToolCall(obj["name"], args, raw=result.calls[0].raw)])
+
+    def format_observation(self, obs_texts: list[str]) -> str:
+        return "\n<output>\n" + "\n".join(obs_texts) + "\n</output>\n"
+
+
 PARSERS = {
+    "artist": ArtistParser,
     "qwen": QwenParser,
     "hermes": QwenParser,
     "torl": ToRLParser,
@@ -380,7 +418,8 @@ PARSERS = {
 
 
 def get_parser(protocol: str, **kwargs) -> Parser:
-    """The parser of a protocol: "qwen" (alias "hermes"), "torl", "retool" or "search_r1"."""
+    """The parser of a protocol: "qwen" (alias "hermes"), "torl", "retool", "search_r1" or
+    "artist"."""
     try:
         cls = PARSERS[protocol]
     except KeyError:

@@ -12,6 +12,7 @@ from pathlib import Path
 from jaxrl_tools import data, envs, models, prompts
 from jaxrl_tools.check.setup import build_tools, tools_schema
 from jaxrl_tools.config import ConfigError, RunConfig
+from jaxrl_tools.datasets import prepare
 from jaxrl_tools.demo import task
 from jaxrl_tools.demo.tokenizer import build_mismatch, build_tokenizer
 
@@ -130,7 +131,10 @@ def check_tokenizer(cfg: RunConfig) -> str:
     field = "tokenizer.path" if t.path is not None else "model.path (tokenizer.path is null)"
     if (path / "tokenizer.json").is_file():
         if cfg.model.path is None and t.build:
-            mismatch = build_mismatch(path, vocab_size=t.vocab_size, seed=t.seed)
+            extra = len(task.tokenizer_texts(cfg.data))
+            mismatch = build_mismatch(
+                path, vocab_size=t.vocab_size, seed=t.seed, n_extra_texts=extra
+            )
             if mismatch is not None:
                 raise ConfigError(f"tokenizer.path={path} {mismatch}")
         return "load"
@@ -161,15 +165,29 @@ def open_tokenizer(cfg: RunConfig):
     """The run's tokenizer: loaded, or built (after `check_tokenizer` allows it)."""
     if check_tokenizer(cfg) == "build":
         t = cfg.tokenizer
-        return build_tokenizer(cfg.tokenizer_path, vocab_size=t.vocab_size, seed=t.seed)
+        return build_tokenizer(
+            cfg.tokenizer_path,
+            vocab_size=t.vocab_size,
+            seed=t.seed,
+            texts=task.tokenizer_texts(cfg.data),
+        )
     return prompts.load_tokenizer(cfg.tokenizer_path)
 
 
 # -------------------------------------------------------------------------------------- data
 
 
+def _missing(field: str, path: str) -> ConfigError:
+    """A recipe's file that is not there: what it is and the `prepare` command that makes it."""
+    hint = prepare.missing_hint(path)
+    return ConfigError(f"{field}: {hint}" if hint else f"{field}: data file not found: {path}")
+
+
 def _read(cfg: RunConfig, split: str) -> data.RecordSource:
     field = f"data.{split}_files"
+    for path in getattr(cfg.data, f"{split}_files"):
+        if not Path(path).is_file():
+            raise _missing(field, path)
     try:
         return data.record_source(cfg.data, split)
     except data.DataError as e:
@@ -187,7 +205,9 @@ def env_records(cfg: RunConfig, split: str) -> list[dict]:
 def check_data(
     cfg: RunConfig, *, needs_eval: bool = False, needs_train: bool = True
 ) -> dict[str, Sequence[dict]]:
-    """The prompt records: generated (`data.task`) or read from the files, every line checked.
+    """The prompt records: generated (`data.task`) or read from the files, every line checked;
+    a missing file of a downloadable benchmark (or search corpus) names the `jaxrl-tools prepare`
+    command that makes it.
 
     Returns:
       {"train": records, "eval": records} ("eval" only when there is held-out data).
@@ -197,6 +217,10 @@ def check_data(
         the run evaluates (`needs_eval`, `trainer.eval_every`).
     """
     d = cfg.data
+    for i, spec in enumerate(cfg.tools):  # a search tool's corpus is data too
+        corpus = spec.config.get("corpus_path")
+        if corpus and not Path(corpus).is_file():
+            raise _missing(f"tools[{i}].config.corpus_path", corpus)
     out: dict[str, Sequence[dict]] = {}
     if cfg.env.name is not None:  # episodes replace the data files
         out["train"] = env_records(cfg, "train")
@@ -249,7 +273,8 @@ def check_sft(cfg: RunConfig) -> int:
         if s.max_traces is not None:
             n = min(n, s.max_traces)
     elif d.task is not None:
-        if cfg.rollout.protocol not in task.TRACE_PROTOCOLS:
+        # function_calling traces answer in ToolRL's format, whatever the protocol
+        if d.task == "tool_arithmetic" and cfg.rollout.protocol not in task.TRACE_PROTOCOLS:
             raise ConfigError(
                 f"sft.enabled with generated traces needs rollout.protocol in "
                 f"{list(task.TRACE_PROTOCOLS)}, not {cfg.rollout.protocol!r}: give "

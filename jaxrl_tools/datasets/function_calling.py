@@ -159,8 +159,24 @@ _NO_CALL = [
 SYSTEM = "You are a helpful assistant. Call the functions you are given when they help."
 
 
-def generate(n: int, seed: int = 0, no_call_frac: float = 0.15, multi_frac: float = 0.3):
-    """`n` generated records: 3-5 tools each (the needed ones and distractors)."""
+def generate(
+    n: int,
+    seed: int = 0,
+    no_call_frac: float = 0.15,
+    multi_frac: float = 0.3,
+    *,
+    num_tools: tuple[int, int] = (3, 5),
+    system: str = SYSTEM,
+    param_descriptions: bool = True,
+):
+    """`n` generated records, each showing `num_tools` (lo, hi) tools: the needed ones and at
+    least one distractor. `param_descriptions=False` drops the parameters' descriptions (shorter
+    prompts, for small models)."""
+    lo, hi = num_tools
+    if not 2 <= lo <= hi <= len(_CATALOG):
+        raise ValueError(
+            f"num_tools must satisfy 2 <= lo <= hi <= {len(_CATALOG)}, got {num_tools}"
+        )
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -177,20 +193,32 @@ def generate(n: int, seed: int = 0, no_call_frac: float = 0.15, multi_frac: floa
             )
             requests.append(template.format(**args))
         others = [i for i in range(len(_CATALOG)) if i not in picks]
-        shown = picks + rng.sample(others, rng.randint(3, 5) - len(picks))
+        shown = picks + rng.sample(others, max(rng.randint(lo, hi), k + 1) - len(picks))
         rng.shuffle(shown)
         text = " Also, ".join(requests) if requests else rng.choice(_NO_CALL)
+        tools = [_CATALOG[i][0] for i in shown]
         out.append(
             {
                 "prompt": [
-                    {"role": "system", "content": SYSTEM},
+                    {"role": "system", "content": system},
                     {"role": "user", "content": text},
                 ],
-                "tools": [_CATALOG[i][0] for i in shown],
+                "tools": tools
+                if param_descriptions
+                else [_without_param_descriptions(t) for t in tools],
                 "ground_truth": calls,
             }
         )
     return out
+
+
+def _without_param_descriptions(tool: dict) -> dict:
+    fn = tool["function"]
+    props = {
+        k: {kk: vv for kk, vv in v.items() if kk != "description"}
+        for k, v in fn["parameters"]["properties"].items()
+    }
+    return declaration(fn["name"], fn["description"], props, fn["parameters"]["required"])
 
 
 # ------------------------------------------------------------------------------- converters

@@ -1,2 +1,3 @@
-"""The demo: the generated tool-arithmetic task and its SFT traces (`task`), a small Qwen-style
-tokenizer builder (`tokenizer`), and the held-out report (`report`)."""
+"""The demo: the generated tool-arithmetic task and its SFT traces (`task`), the generated
+function-calling task, its traces and report (`function_calling`), a small Qwen-style tokenizer
+builder (`tokenizer`), and the held-out report (`report`)."""

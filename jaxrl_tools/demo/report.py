@@ -3,6 +3,8 @@ problems, as a markdown table with accuracy and tool use by difficulty."""
 
 from __future__ import annotations
 
+from jaxrl_tools.demo import function_calling
+
 
 def _report_row(name: str, m: dict) -> str:
     levels = sorted(k.split("/")[1] for k in m if k.startswith("level/") and k.endswith("/tool"))
@@ -25,6 +27,8 @@ def _productivity(m: dict) -> str:
 def demo_report(summary: dict, baseline: dict | None = None) -> str:
     """The demo's report: the SFT policy vs the RL policy (and a baseline RL run) on held-out
     problems."""
+    if "calls/exact_call_accuracy" in summary["after"] and baseline is None:
+        return function_calling.demo_report(summary)
     b, a = summary["before"], summary["after"]
     acc_b, acc_a = b["reward/accuracy"] * 100, a["reward/accuracy"] * 100
     tool_b, tool_a = b["tools/used_frac"] * 100, a["tools/used_frac"] * 100

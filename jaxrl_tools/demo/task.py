@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl_tools.config import DataSection, SFTSection
+from jaxrl_tools.demo import function_calling
 from jaxrl_tools.rollout import declares_tools
 from jaxrl_tools.tools import PythonTool, get_parser
 
@@ -288,6 +289,8 @@ __all__ = [
 
 def task_records(data: DataSection, protocol: str, split: str) -> list[dict]:
     """The task's prompt records: "train", or the held-out "eval" set (another seed)."""
+    if data.task == "function_calling":
+        return function_calling.task_records(data, split)
     n, seed = (
         (data.task_train_size, data.shuffle_seed)
         if split == "train"
@@ -302,10 +305,19 @@ def task_records(data: DataSection, protocol: str, split: str) -> list[dict]:
     return [p.to_record(tools=tools) for p in make_problems(n, seed=seed, difficulty=levels)]
 
 
+def tokenizer_texts(data: DataSection) -> list[str]:
+    """Text a tiny model's tokenizer is trained on besides its own corpus: the function-calling
+    task's declarations, requests and answers (so that a schema is tens of tokens, not
+    hundreds); none for the arithmetic task."""
+    return function_calling.tokenizer_texts() if data.task == "function_calling" else []
+
+
 def task_sft_traces(
     data: DataSection, sft: SFTSection, protocol: str, tokenizer
 ) -> list[list[list[Any]]]:
     """The task's generated SFT traces as segment lists ([[text, trainable], ...])."""
+    if data.task == "function_calling":
+        return function_calling.task_sft_traces(data, sft, tokenizer)
     problems = make_problems(
         sft.num_traces,
         seed=data.shuffle_seed + 20_000,

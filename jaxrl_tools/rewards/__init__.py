@@ -2,7 +2,7 @@
 
 Importing the package registers every reward: outcome (math, qa_em, format, exec_penalty,
 tool_success, retool, dapo_overlong, env_return), tool calls (toolrl, tool_n1), OTC (otc_ppo,
-otc_grpo) and DeepRetrieval's (retrieval, sql_exec).
+otc_grpo), DeepRetrieval's (retrieval, sql_exec) and ARTIST's (artist_answer, artist_format).
 """
 
 from jaxrl_tools.rewards.answers import (
@@ -15,6 +15,12 @@ from jaxrl_tools.rewards.answers import (
     normalize_answer,
     qa_correct,
     tags_in_order,
+)
+from jaxrl_tools.rewards.artist import (
+    artist_answer_reward,
+    artist_format_ok,
+    artist_format_reward,
+    artist_tag_sequence,
 )
 from jaxrl_tools.rewards.otc import (
     otc_grpo_reward,
@@ -50,6 +56,10 @@ from jaxrl_tools.rewards.retrieval import (
 from jaxrl_tools.rewards.tool_calls import tool_n1_reward, toolrl_correctness, toolrl_reward
 
 __all__ = [
+    "artist_answer_reward",
+    "artist_format_ok",
+    "artist_format_reward",
+    "artist_tag_sequence",
     "CORRECTNESS_CHECKERS",
     "CompositeReward",
     "TrajectoryInfo",

@@ -45,6 +45,8 @@ class TrajectoryInfo:
         (OTC-GRPO); filled by `CompositeReward.batch` when group_ids are given.
       group_correct: correctness of every response of the group, aligned with group_num_calls.
       env_rewards: the environment's reward of each turn (multi-turn environments).
+      step: the RL step being scored (1 at the first; rewards with a schedule over training,
+        e.g. ToolRL's dynamic scale); None: `CompositeReward.step`.
       extra: anything else (per-dataset fields).
     """
 
@@ -55,6 +57,7 @@ class TrajectoryInfo:
     group_num_calls: Sequence[int] | None = None
     group_correct: Sequence[bool] | None = None
     env_rewards: Sequence[float] = ()
+    step: int | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -75,15 +78,20 @@ def _record_ok(rec: Any) -> bool:
 _REGISTRY: dict[str, RewardFn] = {}
 _SLOW: set[str] = set()
 _GROUP: set[str] = set()
+_CHECKERS: dict[str, str] = {}  # reward name -> the answer checker its accuracy is counted by
 
 
-def register_reward(name: str, *, slow: bool = False, group: bool = False):
+def register_reward(
+    name: str, *, slow: bool = False, group: bool = False, correctness: str | None = None
+):
     """Register `fn(response, ground_truth, info, **kwargs) -> float` under `name`.
 
     Args:
       name: registry name (used in configs: `reward: [{name: ..., weight: ..., kwargs: ...}]`).
       slow: run it in the batch API's worker pool (e.g. symbolic math checking).
       group: it needs the group context (info.group_num_calls / group_correct).
+      correctness: the `CORRECTNESS_CHECKERS` name evaluations count as accuracy for a run with
+        this reward (e.g. "tool_calls" for function-calling rewards).
     """
 
     def deco(fn: RewardFn) -> RewardFn:
@@ -94,6 +102,8 @@ def register_reward(name: str, *, slow: bool = False, group: bool = False):
             _SLOW.add(name)
         if group:
             _GROUP.add(name)
+        if correctness is not None:
+            _CHECKERS[name] = correctness
         return fn
 
     return deco
@@ -167,6 +177,9 @@ class CompositeReward:
             raise ValueError(f"CompositeReward: duplicate reward names {names}")
         self.max_workers = max_workers
         self.executor = executor
+        # The RL step being scored, for rewards scheduled over training (the trainer sets it
+        # before each step; it fills `TrajectoryInfo.step` where that is None).
+        self.step = 0
 
     @property
     def names(self) -> list[str]:
@@ -176,16 +189,18 @@ class CompositeReward:
     def correctness(self) -> str:
         """The answer checker of this reward, for accuracy whatever the reward's shaping: the
         first term that is a checker itself ("math", "qa_em") or names one (`correctness`
-        kwarg, as OTC's do); "math" otherwise (ReTool, DAPO)."""
+        kwarg, as OTC's do, or registered with the reward, as ToolRL's "tool_calls"); "math"
+        otherwise (ReTool, DAPO)."""
         for t in self.terms:
             kind = t.name if t.name in CORRECTNESS_CHECKERS else t.kwargs.get("correctness")
+            kind = kind or _CHECKERS.get(t.name)
             if kind is not None:
                 return kind
         return "math"
 
     def components(self, response: str, ground_truth: Any, info: TrajectoryInfo | None = None):
         """Unweighted value of each term, by name."""
-        info = info or TrajectoryInfo()
+        info = self._at_step(info or TrajectoryInfo())
         return {t.name: _call_term(t, response, ground_truth, info) for t in self.terms}
 
     def __call__(self, response: str, ground_truth: Any, info: TrajectoryInfo | None = None):
@@ -216,6 +231,7 @@ class CompositeReward:
         if len(ground_truths) != n or (infos is not None and len(infos) != n):
             raise ValueError("responses, ground_truths and infos must have the same length")
         infos = [i or TrajectoryInfo() for i in (infos if infos is not None else [None] * n)]
+        infos = [self._at_step(i) for i in infos]
         parts: dict[str, np.ndarray] = {}
         pool = None
         try:
@@ -248,6 +264,9 @@ class CompositeReward:
         for term in self.terms:
             totals += np.float32(term.weight) * parts[term.name]
         return totals, parts
+
+    def _at_step(self, info: TrajectoryInfo) -> TrajectoryInfo:
+        return info if info.step is not None else dataclasses.replace(info, step=self.step)
 
     @staticmethod
     def _with_group_context(term, responses, ground_truths, infos, group_ids):

@@ -88,7 +88,7 @@ def retrieval_reward(
     if query is None:
         return 0.0
     index = _index(str(corpus), cache_dir)
-    retrieved = [index.ids[i] for i, _ in index.search(query, k)]
+    retrieved = [index.passages[i].id for i, _ in index.search(query, k)]
     relevant = ground_truth if isinstance(ground_truth, Mapping) else list(ground_truth or [])
     relevant = (
         {str(d): float(g) for d, g in relevant.items()}

@@ -33,6 +33,7 @@ from jaxrl_tools.rollout.kernels import (
     write_kernel,
 )
 from jaxrl_tools.rollout.sampling import SamplingParams
+from jaxrl_tools.sharding.distributed import to_host
 
 log = logging.getLogger(__name__)
 
@@ -392,8 +393,8 @@ class EngineCore:
         attend_len = None
         if self.live_attention:
             # The lengths are read back (a few bytes; the caller reads this call's tokens anyway).
-            act = np.asarray(decode_state.active if active is None else active, bool)
-            lengths = np.asarray(decode_state.lengths)
+            act = to_host(decode_state.active) if active is None else np.asarray(active, bool)
+            lengths = to_host(decode_state.lengths)  # a collective when rows span processes
             longest = int(lengths[act].max()) if act.any() else 0
             attend_len = self._attend_len(longest + n)
         return self._generate_jit(
@@ -502,4 +503,4 @@ class EngineCore:
         )
 
     def slot_lengths(self, decode_state: DecodeState) -> np.ndarray:
-        return np.asarray(decode_state.lengths)
+        return to_host(decode_state.lengths)

@@ -46,6 +46,7 @@ import numpy as np
 from jaxrl_tools.prompts import chat_continuation, render_prompt
 from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.rollout.stops import scan_chunk
+from jaxrl_tools.sharding.distributed import agree, to_host
 from jaxrl_tools.tools import Observation, get_parser
 from jaxrl_tools.types import Span, ToolCallRecord, Trajectory
 
@@ -246,7 +247,16 @@ async def arun_rollouts(
     B = engine.slots
     free = list(range(B))
     running: dict[int, _Sample] = {}
-    paused: dict[int, asyncio.Task] = {}
+    # slot -> its tool / environment task; None for another process's slot (multi-controller)
+    paused: dict[int, asyncio.Task | None] = {}
+    # Multi-controller (one process per host): every process runs this loop over all samples
+    # and must make the same device calls. A process runs the tool calls and environment steps
+    # of its own block of slots only; at the top of each pass the processes agree on which of
+    # those have finished and share their results, so every host applies the same observations
+    # in the same pass, and sees the same trajectories.
+    n_proc, me = jax.process_count(), jax.process_index()
+    shared = n_proc > 1
+    owns = lambda slot: not shared or slot * n_proc // B == me  # noqa: E731
     state = engine.init_decode_state()
     loop = asyncio.get_running_loop()
     t_gen = 0.0
@@ -257,7 +267,7 @@ async def arun_rollouts(
         s.traj.finish_reason = reason
         if decode is not None:
             s.traj.response_text = decode(s.traj.response_ids)
-        if executor is not None:
+        if executor is not None and owns(s.slot):
             await executor.close_session(s.session_id)
         done.append(s.traj)
 
@@ -345,12 +355,12 @@ async def arun_rollouts(
     while queue or running:
         # 1) observations that arrived: append them (one bucketed call), resume those slots
         appends, finished_now = [], []
-        for slot, task in list(paused.items()):
-            if not task.done():
-                continue
+        ready = [(slot, t.result()) for slot, t in list(paused.items()) if t and t.done()]
+        if shared:
+            ready = _share_results(ready, running)
+        for slot, res in ready:
             del paused[slot]
             s = running[slot]
-            res = task.result()
             if res[0] == "finish":
                 finished_now.append((slot, res[1]))
                 continue
@@ -396,15 +406,18 @@ async def arun_rollouts(
         for slot in running:
             active[slot] = slot not in paused
         if not active.any():
-            if paused:
-                await asyncio.wait(list(paused.values()), return_when=asyncio.FIRST_COMPLETED)
+            mine = [t for t in paused.values() if t is not None]
+            if mine:  # (multi-controller: a short wait, then agree on what others finished)
+                await asyncio.wait(
+                    mine, return_when=asyncio.FIRST_COMPLETED, timeout=0.05 if shared else None
+                )
             continue
         # 3) one chunk for all active slots, off the event loop so tool tasks keep running
         tg = time.perf_counter()
 
         def chunk(st, act):
             st, out = engine.generate_steps(params, st, limits.chunk_size, active=act)
-            return st, np.asarray(out.tokens), np.asarray(out.logprobs)
+            return st, to_host(out.tokens), to_host(out.logprobs)
 
         state, toks_BN, lps_BN = await loop.run_in_executor(None, chunk, state, active)
         t_gen += time.perf_counter() - tg
@@ -434,13 +447,37 @@ async def arun_rollouts(
             if isinstance(out, str):
                 await finish(running.pop(slot), out)
                 free.append(slot)
-            else:
+            elif owns(slot):
                 paused[slot] = asyncio.ensure_future(out)
+            else:  # another process runs it; its result comes through _share_results
+                out.close()
+                paused[slot] = None
 
     if stats is not None:
         stats.update(wall_s=time.perf_counter() - t0, generate_s=t_gen, chunks=n_chunks)
     done.sort(key=lambda t: (t.prompt_index, t.sample_index))
     return done
+
+
+def _share_results(ready: list, running: dict[int, _Sample]) -> list:
+    """Every process's finished tool / environment results, in slot order, on every process.
+
+    Each entry carries what the task recorded in its trajectory (`_TASK_FIELDS`), copied into
+    the other processes' copies of that trajectory.
+    """
+    mine = [
+        (slot, res, [getattr(running[slot].traj, f) for f in _TASK_FIELDS]) for slot, res in ready
+    ]
+    out = []
+    for slot, res, values in sorted((e for part in agree(mine) for e in part), key=lambda e: e[0]):
+        for field, value in zip(_TASK_FIELDS, values):
+            setattr(running[slot].traj, field, value)
+        out.append((slot, res))
+    return out
+
+
+# What `run_calls` and `resolve` write into a trajectory besides the observation tokens.
+_TASK_FIELDS = ("tool_calls", "num_tool_calls", "env_rewards", "env_states")
 
 
 async def _safe(coro):

@@ -1,0 +1,318 @@
+"""Multi-controller runs: 2 processes x 4 simulated CPU devices == 1 process x 8 devices.
+
+The tiny RL run of tests/test_resume.py, with the sandboxed Python tool in the loop (ReTool's
+`<code>...</code>` protocol), on the mesh 2x2x2. A random policy never writes a tool call, so
+the engine gets a logits hook that favours a fixed script (`<code>print(6*7)</code>`) for the
+first tokens of each response: most samples call the tool, the sandbox runs it, and its output
+goes back into the KV cache; the rest of each response is the policy's own sampling, and the
+reward varies with it. The script's bias is not part of the policy: the update trains the
+policy's own log-probs, as with any behaviour policy.
+
+Each run is this file executed as a script (`python tests/test_multihost.py CONFIG_JSON OUT_DIR
+[jaxrl-tools flags]`), which runs `jaxrl-tools train` (`jaxrl_tools.cli.main`) with the hook and
+saves the final params: once as 1 process with 8 devices, then as 2 processes with 4 devices
+each on 127.0.0.1 (`--coordinator/--num-processes/--process-id`). The two-process launch has
+process 1 killed after its first checkpoint: process 0 must exit with one line within the
+(lowered) heartbeat timeout, and the relaunch resumes and ends with both processes exiting 0
+and the single-process run's params: the processes agreed on every host-side decision (each
+ran the tool calls of its own slots and shared the results), so they issued the same device
+calls.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fakes import TINY_RUN_MODEL
+
+STEPS = 2
+HERE = Path(__file__).resolve().parent
+SCRIPT = "<code>print(6*7)</code>"
+HEARTBEAT_S = 5  # how soon a dead peer is noticed (jax's default is 100 s)
+TIMEOUT = 900  # per launch (a loaded 2-core CI machine): a hang fails the test, not the CI
+
+
+def text_reward(response: str, ground_truth=None, info=None) -> float:
+    """Varies with the sampled text (distinct characters mod 3), so groups are not all equal,
+    and takes a little time, as a real verifier does (the kill test needs a step to take some)."""
+    time.sleep(0.02)
+    return (len(set(response)) % 3) / 2.0
+
+
+def _config(tmp: Path, name: str) -> dict:
+    return {
+        "model": {"tiny": TINY_RUN_MODEL},
+        "tokenizer": {"path": str(tmp / "tokenizer"), "vocab_size": 300},
+        "data": {
+            "task": "tool_arithmetic",
+            "task_train_size": 64,
+            "task_eval_size": 4,
+            "task_difficulty": 1,
+            "batch_size": 2,
+            "shuffle_seed": 3,
+        },
+        "rollout": {
+            "protocol": "retool",
+            "group_size": 4,
+            "max_prompt_len": 96,
+            "max_response_len": 48,
+            "max_tool_calls": 1,
+            "max_turns": 2,
+            "max_obs_tokens": 16,
+            "chunk_size": 8,
+            "slots": 8,
+        },
+        "tools": [{"class": "python", "config": {"mode": "stateless", "n_workers": 1}}],
+        "algorithm": {"adv_estimator": "grpo", "kl_coef": 0.0},
+        "reward": [{"name": "test_multihost:text_reward"}],
+        "optim": {"lr": 1e-3, "micro_batch_size": 4, "weight_decay": 0.0},
+        "trainer": {
+            "steps": STEPS,
+            "seed": 5,
+            "mesh": "2x2x2",
+            "checkpoint_dir": str(tmp / name / "ckpt"),
+            "checkpoint_every": 1,
+            "keep_checkpoints": 3,
+            "resume": True,
+            "log_dir": str(tmp / name / "logs"),
+            "run_name": name,
+        },
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAXRL_HEARTBEAT_TIMEOUT_S"] = str(HEARTBEAT_S)
+    env["JAXRL_SHUTDOWN_TIMEOUT_S"] = str(HEARTBEAT_S)
+    return env
+
+
+def _launch(tmp: Path, name: str, processes: int) -> list[subprocess.Popen]:
+    cfg = tmp / f"{name}.json"
+    if not cfg.exists():
+        cfg.write_text(json.dumps(_config(tmp, name)))
+    cmd = [sys.executable, __file__, str(cfg), str(tmp / name)]
+    if processes == 1:
+        return [subprocess.Popen(cmd, env=_env(8), stdout=subprocess.PIPE, stderr=subprocess.PIPE)]
+    port = _free_port()
+    flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes)]
+    return [
+        subprocess.Popen(
+            [*cmd, *flags, "--process-id", str(i)],
+            env=_env(8 // processes),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for i in range(processes)
+    ]
+
+
+def _wait(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
+    out = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append((p.returncode, err.decode()))
+    return out
+
+
+def _finished_steps(ckpt: Path) -> list[int]:
+    return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.exists() else []
+
+
+def _records(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _params(path: Path) -> dict:
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The single-process run; the two-process run, killed after its first checkpoint (process
+    1 gets SIGKILL) and relaunched. The relaunch's end is the two-process run's result: it
+    resumed, so it also proves the resume (a resumed run equals an uninterrupted one:
+    tests/test_resume.py), and one two-process run is enough (CI time)."""
+    tmp = tmp_path_factory.mktemp("multihost")
+    timings = {}
+    t0 = time.monotonic()  # the single run builds the tokenizer before the others start
+    [(rc, err)] = _wait(_launch(tmp, "single", 1))
+    assert rc == 0, err[-4000:]
+    timings["single_s"] = time.monotonic() - t0
+
+    t0 = time.monotonic()
+    procs = _launch(tmp, "two", 2)
+    ckpt = tmp / "two" / "ckpt"
+    deadline = time.monotonic() + TIMEOUT
+    while not _finished_steps(ckpt) and procs[1].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    procs[1].send_signal(signal.SIGKILL)
+    t_kill = time.monotonic()
+    try:
+        _, err = procs[0].communicate(timeout=TIMEOUT)
+    finally:
+        procs[0].kill()
+        procs[1].communicate(timeout=60)
+    killed = {
+        "returncode": procs[0].returncode,
+        "stderr": err.decode(),
+        "exit_s": time.monotonic() - t_kill,
+        "resumed_from": _finished_steps(ckpt)[-1],
+    }
+    timings["killed_s"] = time.monotonic() - t0
+
+    t0 = time.monotonic()
+    relaunch = _wait(_launch(tmp, "two", 2))
+    timings["relaunch_s"] = time.monotonic() - t0
+    print(timings, killed["exit_s"])
+    return tmp, killed, relaunch
+
+
+def test_a_killed_process_stops_the_other_with_one_line(runs):
+    _, killed, _ = runs
+    err = killed["stderr"]
+    assert killed["returncode"] == 1, err[-4000:]
+    assert killed["exit_s"] < 2 * HEARTBEAT_S + 20, killed["exit_s"]  # no hang
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("jaxrl-tools: process 0 of 2: "), err[-4000:]
+    assert "--resume" in last
+    assert 1 <= killed["resumed_from"] < STEPS
+
+
+def test_the_relaunch_resumes_and_both_processes_exit_cleanly(runs):
+    _, killed, relaunch = runs
+    for rc, err in relaunch:
+        assert rc == 0, err[-4000:]
+        assert f"resumed from step {killed['resumed_from']}" in err
+    # Metrics are written once: process 1 shows no progress bar of its own.
+    assert f"{STEPS}/{STEPS}" in relaunch[0][1] and f"{STEPS}/{STEPS}" not in relaunch[1][1]
+
+
+def test_two_processes_reach_the_single_process_params(runs):
+    tmp, _, _ = runs
+    single, two = _params(tmp / "single" / "params.npz"), _params(tmp / "two" / "params.npz")
+    init = _params(tmp / "single" / "init.npz")
+    assert sorted(single) == sorted(two)
+    assert max(float(np.abs(single[k] - init[k]).max()) for k in single) > 1e-4  # it trained
+    # The same sums over the same mesh shape, but not the same device order: float32 rounding.
+    for k in single:
+        np.testing.assert_allclose(two[k], single[k], rtol=0, atol=2e-5, err_msg=k)
+
+
+def test_the_tool_ran_and_both_runs_logged_the_same(runs):
+    tmp, _, _ = runs
+    single, two = _records(tmp / "single" / "logs"), _records(tmp / "two" / "logs")
+    assert [r["step"] for r in two] == list(range(1, STEPS + 1))
+    for a, b in zip(single, two):
+        assert a["tools/calls_per_response"] > 0.5  # the sandbox ran for most samples
+        for k in a:
+            if not k.startswith(("time", "throughput/")):
+                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+
+
+def test_partial_launch_settings_are_one_line_errors(monkeypatch, capsys):
+    from jaxrl_tools import cli
+    from jaxrl_tools.sharding import distributed
+
+    for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(k, raising=False)
+    assert cli.main(["check", "--num-processes", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxrl-tools: a multi-process launch needs --coordinator, --process-id")
+    assert "\n" not in err
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    with pytest.raises(ValueError, match="needs JAX_COORDINATOR_ADDRESS, JAX_PROCESS_ID"):
+        distributed.initialize_distributed()
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setenv("JAX_PROCESS_ID", "2")
+    with pytest.raises(ValueError, match="JAX_PROCESS_ID=2 must be in 0..1"):
+        distributed.initialize_distributed()
+
+
+def test_single_process_agreement_is_the_local_value():
+    import jax.numpy as jnp
+
+    from jaxrl_tools.sharding.distributed import agree, to_host
+
+    assert agree({"slot": 3}) == [{"slot": 3}]
+    np.testing.assert_array_equal(to_host(jnp.arange(4)), np.arange(4))
+
+
+# ------------------------------------------------------------------------------------------------
+# one process of a run (this file executed as a script)
+
+
+def _script_hook(logits_BV, sampled_B, script_S):
+    """Favours token `script_S[i]` as a response's i-th model token (then nothing)."""
+    import jax
+    import jax.numpy as jnp
+
+    n = script_S.shape[0]
+    want_B = script_S[jnp.minimum(sampled_B, n - 1)]
+    bias_BV = 12.0 * jax.nn.one_hot(want_B, logits_BV.shape[-1], dtype=logits_BV.dtype)
+    return logits_BV + jnp.where((sampled_B < n)[:, None], bias_BV, 0.0)
+
+
+def _main(config_path: str, out_dir: str, flags: list[str]) -> int:
+    import jax
+
+    from jaxrl_tools import cli, run
+    from jaxrl_tools.config_loader import config_from_dict
+    from jaxrl_tools.rollout import sampler
+    from jaxrl_tools.sharding.distributed import to_host
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = config_from_dict(json.loads(Path(config_path).read_text()))
+    engine_core = sampler.EngineCore
+
+    def scripted_engine(*args, tokenizer, **kwargs):
+        script = np.asarray(tokenizer.encode(SCRIPT, add_special_tokens=False), np.int32)
+        return engine_core(
+            *args, tokenizer=tokenizer, logits_hook=_script_hook, hook_data=script, **kwargs
+        )
+
+    sampler.EngineCore = scripted_engine
+    train = run.train
+
+    def train_and_save(cfg, **kwargs):
+        summary = train(cfg, **kwargs)
+        leaves = jax.tree_util.tree_leaves_with_path(summary["params"])
+        flat = {jax.tree_util.keystr(p): to_host(x) for p, x in leaves}
+        if jax.process_index() == 0:
+            np.savez(out / "params.npz", **flat)
+        return summary
+
+    run.train = train_and_save
+    if not flags and not (out / "init.npz").exists():
+        _, init = run.setup_model(cfg, run.setup_tokenizer(cfg))
+        leaves = jax.tree_util.tree_leaves_with_path(init)
+        np.savez(out / "init.npz", **{jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
+    return cli.main(["train", "--config", config_path, *flags])
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    sys.exit(_main(sys.argv[1], sys.argv[2], sys.argv[3:]))

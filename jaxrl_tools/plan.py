@@ -186,7 +186,10 @@ def plan_memory(
     compute_shapes = jax.tree.map(lambda x: _struct(x.shape, dtypes.compute_dtype), param_shapes)
 
     def decode(params, st):
-        return generate_kernel(
+        # The kernel's body, traced afresh: the jitted kernel's trace cache would reuse the
+        # sharding constraints of the first mesh it was traced under (one process may plan
+        # several meshes).
+        return generate_kernel.__wrapped__(
             params,
             st,
             None,

@@ -513,6 +513,7 @@ def demo(cfg: RunConfig, *, baseline_reward: str | None = None) -> dict:
         cfg, evaluate_before=True, evaluate_after=True, keep_init_params=baseline_reward is not None
     )
     summary["reward_name"] = "+".join(r.name for r in cfg.reward)
+    summary["tools_desc"] = ", ".join(t.cls for t in cfg.tools) or "no tools"
     r = cfg.rollout
     summary["eval_desc"] = (
         "greedy decoding"

@@ -79,7 +79,8 @@ def _tool_line(tool) -> str:
     if isinstance(tool, tools.PythonTool):
         return f"{tool.name} (python sandbox, {tool.mode}; isolation bwrap available)"
     if isinstance(tool, tools.SearchTool):
-        return f"{tool.name} (BM25 search over {tool.corpus_path}, top {tool.top_k})"
+        kind = "BM25" if tool.retriever == "bm25" else "dense"
+        return f"{tool.name} ({kind} search over {tool.corpus_path}, top {tool.top_k})"
     return f"{tool.name} ({type(tool).__name__})"
 
 

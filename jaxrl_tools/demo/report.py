@@ -36,7 +36,8 @@ def demo_report(summary: dict, baseline: dict | None = None) -> str:
     lines = [
         f"# jaxrl-tools demo: {summary['run_name']}",
         "",
-        f"Held-out problems: {a['num_problems']} ({summary['eval_desc']}, sandboxed Python tool).",
+        f"Held-out problems: {a['num_problems']} ({summary['eval_desc']}; tools: "
+        f"{summary['tools_desc']}).",
         "",
         "| policy | accuracy | responses calling the tool | tool calls / response | "
         "tool error rate | by difficulty (accuracy / tool use) |",

@@ -6,7 +6,11 @@ and AdamW state, bf16 compute and KV cache, on meshes 1x8x1 (fsdp 8) and 1x4x2 (
 forward and a decode step; XLA's `memory_analysis()` gives each one's per-device arguments,
 temporaries and peak. These are the CPU compiler's figures (an estimate of a GPU/TPU's).
 
+With `--rollout-mesh DxFxT` the decode step is compiled on that mesh instead (`rollout.mesh`:
+the engine's own mesh over the same devices, e.g. tensor-parallel decode beside an fsdp update).
+
 Run: .venv/bin/python benchmarks/plan_memory.py [--seq 8192] [--micro 8] [--slots 64]
+       [--rollout-mesh 1x1x8]
 """
 
 import argparse
@@ -63,6 +67,7 @@ def main():
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--cache-len", type=int, default=16384)
     ap.add_argument("--remat", default="layer")
+    ap.add_argument("--rollout-mesh", default=None, help="compile the decode step on this mesh")
     args = ap.parse_args()
 
     from jaxrl_tools import models, plan, sharding
@@ -76,6 +81,9 @@ def main():
         cfg = models.ModelConfig(**SHAPES[name])
         for shape in args.meshes.split(","):
             mesh = sharding.make_mesh(tuple(int(x) for x in shape.split("x")))
+            decode_mesh = None
+            if args.rollout_mesh:
+                decode_mesh = sharding.make_mesh(sharding.parse_mesh_shape(args.rollout_mesh))
             t0 = time.perf_counter()
             figures = plan.plan_memory(
                 cfg,
@@ -87,9 +95,11 @@ def main():
                 slots=args.slots,
                 cache_len=args.cache_len,
                 remat=args.remat,
+                decode_mesh=decode_mesh,
             )
             took = time.perf_counter() - t0
-            print(f"\n{name} on mesh {shape} (compiled in {took:.0f} s):")
+            on = f", decode on {args.rollout_mesh}" if args.rollout_mesh else ""
+            print(f"\n{name} on mesh {shape}{on} (compiled in {took:.0f} s):")
             for line in plan.describe(figures, plan.ACCELERATORS["h100-80g"]):
                 print("  " + line)
 

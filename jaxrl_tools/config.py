@@ -244,6 +244,9 @@ class RolloutSection:
     chunk_size: int = 32  # tokens decoded per jitted chunk before the host looks for tool calls
     slots: int = 64  # concurrent sequences in the decode engine's KV cache
     max_obs_tokens: int = 512  # observation cap (head + ... + tail)
+    # The engine's own mesh (DxFxT over the trainer's devices, e.g. tensor-parallel decode beside
+    # an fsdp update): the weights are resharded onto it after each update. null = trainer.mesh.
+    mesh: str | None = None
     tool_timeout_s: float = 10.0
     tool_concurrency: int = 8
     eval_temperature: float = 0.0  # 0 = greedy
@@ -271,6 +274,16 @@ class RolloutSection:
         )
         _check(self.max_tool_calls >= 0, "rollout.max_tool_calls", "must be >= 0")
         _check(self.tool_timeout_s > 0, "rollout.tool_timeout_s", "must be > 0")
+        _check(
+            self.mesh is None or re.fullmatch(r"\d+x\d+x\d+", self.mesh) is not None,
+            "rollout.mesh",
+            f"must look like 'DxFxT' (e.g. '1x1x8') or null, got {self.mesh!r}",
+        )
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int] | None:
+        """The engine's (data, fsdp, tensor), or None: the trainer's mesh."""
+        return None if self.mesh is None else tuple(int(x) for x in self.mesh.split("x"))
 
 
 @dataclass(frozen=True)
@@ -423,6 +436,9 @@ class AlgorithmSection:
     gigpo_omega: float = 1.0
     turn_gamma: float = 0.4  # Kevin: a turn's return = its score + turn_gamma x the next turn's
     turn_group_norm: bool = True  # Kevin: normalise turn returns over the prompt's group
+    # Truncated importance sampling against the sampler's log-probs: each token's policy loss is
+    # weighted by min(pi_old / pi_behaviour, tis_cap); null = off (needed by async rollouts).
+    tis_cap: float | None = None
     filters: FiltersSection = field(default_factory=FiltersSection)
 
     def __post_init__(self):
@@ -458,6 +474,12 @@ class AlgorithmSection:
         )
         _check(self.vapo_alpha > 0, "algorithm.vapo_alpha", "must be > 0")
         _check(self.nll_coef >= 0, "algorithm.nll_coef", "must be >= 0")
+        if self.tis_cap is not None:
+            _check(
+                self.tis_cap >= 1,
+                "algorithm.tis_cap",
+                f"must be >= 1 (2.0 is usual; null = off), got {self.tis_cap}",
+            )
 
     @property
     def uses_critic(self) -> bool:
@@ -545,6 +567,9 @@ class TrainerSection:
     log_every: int = 1
     eval_every: int = 0  # 0 = off
     run_name: str = "run"
+    # One-step off-policy: the next batch is sampled (with the weights before this update) while
+    # this one trains; staleness <= 1, corrected by algorithm.tis_cap. One process only.
+    async_rollouts: bool = False
 
     def __post_init__(self):
         _check(self.steps >= 0, "trainer.steps", "must be >= 0")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -188,6 +188,7 @@ def make_dataset(
     drop_remainder: bool = True,
 ) -> grain.MapDataset:
     """source -> shuffle(seed) -> repeat(num_epochs; reshuffled each epoch) -> batch (lists).
+    (`PromptLoader` runs it over `range(len(records))` and reads the records of each batch.)
 
     Args:
       source: a random-access source (e.g. `RecordSource`).
@@ -212,11 +213,18 @@ def make_dataset(
 class PromptLoader:
     """An iterator of record batches with saveable state (grain DatasetIterator state).
 
+    The pipeline runs over record indices; a batch's records are read at the end, so a process
+    of a multi-process job reads only its own slice of each batch (`shard`) and the slices are
+    gathered into the batch every process sees. The state is the same in every process.
+
     Args:
       source: a random-access source.
       batch_size, seed, shuffle, num_epochs, drop_remainder: see `make_dataset`.
       num_threads: grain read threads (0: read in the calling thread; records are in memory
         already, and threads would compete with the trainer for CPU).
+      shard: (index, count): read the index-th of `count` contiguous slices of every batch.
+      gather: gather(my_records) -> every shard's records in shard order (a collective, e.g.
+        `sharding.distributed.agree`); required when count > 1.
     """
 
     def __init__(
@@ -229,11 +237,19 @@ class PromptLoader:
         num_epochs: int | None = None,
         drop_remainder: bool = True,
         num_threads: int = 0,
+        shard: tuple[int, int] = (0, 1),
+        gather: Callable[[list], list[list]] | None = None,
     ):
+        index, count = shard
+        if not 0 <= index < count:
+            raise ValueError(f"shard {shard}: the index must be in 0..count-1")
+        if count > 1 and gather is None:
+            raise ValueError(f"shard {shard}: reading a slice of each batch needs `gather`")
         self.source = source
         self.batch_size = batch_size
+        self.shard, self._gather = (index, count), gather
         self.dataset = make_dataset(
-            source,
+            range(len(source)),
             batch_size=batch_size,
             seed=seed,
             shuffle=shuffle,
@@ -247,7 +263,13 @@ class PromptLoader:
         return self
 
     def __next__(self) -> list[dict]:
-        return next(self._it)
+        indices = next(self._it)
+        index, count = self.shard
+        n = len(indices)
+        mine = [self.source[i] for i in indices[index * n // count : (index + 1) * n // count]]
+        if count == 1:
+            return mine
+        return [record for part in self._gather(mine) for record in part]
 
     def get_state(self) -> dict:
         """JSON-serialisable position (save it with the checkpoint)."""

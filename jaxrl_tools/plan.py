@@ -92,6 +92,7 @@ def plan_memory(
     rules=None,
     lora: models.LoraConfig | None = None,
     functions: tuple[str, ...] = FUNCTIONS,
+    decode_mesh=None,
 ) -> dict[str, Memory]:
     """Compiles the update, the log-prob forward and a decode step on abstract shapes.
 
@@ -108,6 +109,8 @@ def plan_memory(
       lora: train LoRA adapters (the state holds them; the base is a frozen argument of the
         update, in the compute dtype, and decoding reads a merged copy of the same shapes).
       functions: which of the three to compile.
+      decode_mesh: the engine's own mesh over the same devices (`rollout.mesh`; default
+        `mesh`): the decode step and its serving copy of the weights are sharded on it.
 
     Returns:
       {"update": Memory, "logprobs": Memory, "decode": Memory} (those of `functions`), per
@@ -166,7 +169,8 @@ def plan_memory(
     cache = jax.eval_shape(
         lambda: models.init_cache(model_cfg, slots, cache_len, dtype=dtypes.cache_dtype)
     )
-    cache_sh = sharding.tree_shardings(cache_axes, mesh, rules, shapes=cache)
+    dmesh = mesh if decode_mesh is None else decode_mesh
+    cache_sh = sharding.tree_shardings(cache_axes, dmesh, rules, shapes=cache)
     B, V = slots, model_cfg.vocab_size
     state = DecodeState(
         cache=cache,
@@ -179,10 +183,16 @@ def plan_memory(
         sampled=_struct((B,), jnp.int32),
         active=_struct((B,), bool),
     )
+    dec_replicated = NamedSharding(dmesh, PartitionSpec())
     state_dec_sh = DecodeState(
-        cache=cache_sh, **{f: replicated for f in DecodeState.__dataclass_fields__ if f != "cache"}
+        cache=cache_sh,
+        **{f: dec_replicated for f in DecodeState.__dataclass_fields__ if f != "cache"},
     )
-    compute_sh = param_sh  # the serving copy keeps the master weights' sharding
+    compute_sh = param_sh  # the serving copy keeps the master weights' sharding ...
+    if dmesh is not mesh:  # ... unless it is resharded onto the engine's mesh
+        compute_sh = sharding.tree_shardings(
+            models.logical_axes(model_cfg), dmesh, rules, shapes=param_shapes
+        )
     compute_shapes = jax.tree.map(lambda x: _struct(x.shape, dtypes.compute_dtype), param_shapes)
 
     def decode(params, st):
@@ -216,8 +226,11 @@ def plan_memory(
             decode, in_shardings=(compute_sh, state_dec_sh), donate_argnums=1
         ).lower(compute_shapes, state),
     }
-    with sharding.use_mesh(mesh, rules):
-        return {name: Memory.of(lowered[name]().compile()) for name in functions}
+    out = {}
+    for name in functions:
+        with sharding.use_mesh(dmesh if name == "decode" else mesh, rules):
+            out[name] = Memory.of(lowered[name]().compile())
+    return out
 
 
 def _trained(model_cfg, param_shapes, param_sh, mesh, dtypes, rules, lora):
@@ -251,6 +264,7 @@ def resident_bytes(
     rules=None,
     lora: models.LoraConfig | None = None,
     lora_decode: str = "merged",
+    decode_mesh=None,
 ) -> dict[str, int]:
     """Per device, what stays allocated across a step's phases.
 
@@ -258,8 +272,9 @@ def resident_bytes(
       {"state": the train state (trained weights and their AdamW moments),
        "frozen": LoRA's base weights (0 without LoRA),
        "read": the resident weights the log-prob pass takes as arguments,
-       "serving": the engine's own copy of the weights (compute dtype; 0 when it decodes the
-         resident weights themselves: float32 full fine-tuning, LoRA with `decode: adapters`),
+       "serving": the engine's own copy of the weights (compute dtype, on `decode_mesh` when
+         given; 0 when it decodes the resident weights themselves: float32 full fine-tuning on
+         one mesh, LoRA with `decode: adapters`),
        "decode_reads": the resident weights decoding takes as arguments (0 with a copy)}.
     """
     shapes = models.param_shapes(model_cfg, dtypes.param_dtype)
@@ -280,6 +295,11 @@ def resident_bytes(
         frozen_bytes = _device_bytes(frozen, param_sh)
         serving = compute_bytes if lora_decode == "merged" else 0
         decode_reads = 0 if serving else frozen_bytes
+    if decode_mesh is not None and decode_mesh is not mesh:  # a resharded copy, always
+        dec_sh = sharding.tree_shardings(
+            models.logical_axes(model_cfg), decode_mesh, rules, shapes=compute
+        )
+        serving, decode_reads = _device_bytes(compute, dec_sh), 0
     return {
         "state": state,
         "frozen": frozen_bytes,
@@ -350,6 +370,7 @@ class RunPlan:
       micro_batch_size: the config's rows per micro-batch (all devices).
       largest_micro_batch: the largest power-of-two multiple of the config's data-parallel
         width that fits (None when not searched).
+      rollout_mesh: the decode step's own mesh (`rollout.mesh`), or None (`mesh`).
     """
 
     figures: dict[str, Memory]
@@ -358,6 +379,7 @@ class RunPlan:
     hbm: int | None
     micro_batch_size: int
     largest_micro_batch: int | None = None
+    rollout_mesh: tuple[int, int, int] | None = None
 
     @property
     def peak(self) -> int:
@@ -369,7 +391,12 @@ class RunPlan:
 
     def lines(self) -> list[str]:
         d, f, t = self.mesh
-        out = [f"mesh {d}x{f}x{t} (data x fsdp x tensor), per device:"]
+        on = (
+            ""
+            if self.rollout_mesh is None
+            else f", decode on {'x'.join(map(str, self.rollout_mesh))}"
+        )
+        out = [f"mesh {d}x{f}x{t} (data x fsdp x tensor){on}, per device:"]
         out += ["  " + line for line in describe(self.figures, self.hbm, self.totals)]
         if self.largest_micro_batch is not None:
             out.append(
@@ -419,9 +446,19 @@ def plan_run(cfg, mesh, hbm: int | None = None, search: bool = False) -> RunPlan
     model_cfg = model_config(cfg)
     shapes = run_shapes(cfg)
     lora = dict(lora=cfg.model.lora.config)
-    figures = plan_memory(model_cfg, mesh=mesh, dtypes=cfg.model.dtypes, **shapes, **lora)
+    decode_mesh = None
+    if cfg.rollout.mesh_shape is not None:  # the engine's mesh, over the same devices
+        decode_mesh = sharding.make_mesh(cfg.rollout.mesh_shape, list(mesh.devices.flat))
+    figures = plan_memory(
+        model_cfg, mesh=mesh, dtypes=cfg.model.dtypes, decode_mesh=decode_mesh, **shapes, **lora
+    )
     resident = resident_bytes(
-        model_cfg, mesh=mesh, dtypes=cfg.model.dtypes, lora_decode=cfg.model.lora.decode, **lora
+        model_cfg,
+        mesh=mesh,
+        dtypes=cfg.model.dtypes,
+        lora_decode=cfg.model.lora.decode,
+        decode_mesh=decode_mesh,
+        **lora,
     )
     totals = phase_totals(figures, resident)
     shape = tuple(mesh.shape[a] for a in mesh.axis_names)
@@ -445,7 +482,9 @@ def plan_run(cfg, mesh, hbm: int | None = None, search: bool = False) -> RunPlan
             return max(phase_totals(trial_figures, resident).values()) <= hbm
 
         largest = largest_fitting_micro_batch(fits, width, max(rows, width))
-    return RunPlan(figures, totals, shape, hbm, shapes["micro_batch_size"], largest)
+    return RunPlan(
+        figures, totals, shape, hbm, shapes["micro_batch_size"], largest, cfg.rollout.mesh_shape
+    )
 
 
 def device_memory() -> int | None:

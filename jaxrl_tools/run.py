@@ -23,7 +23,7 @@ from jaxrl_tools.config import ConfigError, RewardSpec, RunConfig
 from jaxrl_tools.demo import report, task
 from jaxrl_tools.eval import evaluate
 from jaxrl_tools.rewards import CompositeReward
-from jaxrl_tools.rollout import Sampler, make_engine
+from jaxrl_tools.rollout import AsyncRollouts, Sampler, make_engine
 from jaxrl_tools.tools import SandboxPool, ToolExecutor, create_tool
 from jaxrl_tools.train import sft
 from jaxrl_tools.train.batch import collect_batch
@@ -45,6 +45,15 @@ def make_mesh(cfg: RunConfig):
     if shape == (1, 1, 1):
         return None
     return sharding.make_mesh(shape)
+
+
+def make_rollout_mesh(cfg: RunConfig, mesh):
+    """The engine's mesh: `rollout.mesh` over the trainer mesh's devices, or `mesh` itself."""
+    shape = cfg.rollout.mesh_shape
+    if shape is None:
+        return mesh
+    devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+    return None if len(devices) == 1 else sharding.make_mesh(shape, devices)
 
 
 def setup_tokenizer(cfg: RunConfig):
@@ -117,7 +126,13 @@ def make_sampler(
         else None
     )
     engine = make_engine(
-        model_cfg, params, tokenizer, r, mesh=mesh, seed=cfg.trainer.seed, dtypes=cfg.model.dtypes
+        model_cfg,
+        params,
+        tokenizer,
+        r,
+        mesh=make_rollout_mesh(cfg, mesh),
+        seed=cfg.trainer.seed,
+        dtypes=cfg.model.dtypes,
     )
     return Sampler(
         engine,
@@ -192,8 +207,13 @@ def train_loader(cfg: RunConfig) -> data.PromptLoader:
         records = task.task_records(cfg.data, cfg.rollout.protocol, "train")
     else:
         records = data.record_source(cfg.data, "train")
+    # Each process of a multi-process job reads its slice of every batch; all see the batch.
+    shard = dict(shard=(jax.process_index(), jax.process_count()), gather=sharding.agree)
     return data.loader_from_config(
-        cfg.data, "train", source=check.fit_prompts(cfg, records, "train")
+        cfg.data,
+        "train",
+        source=check.fit_prompts(cfg, records, "train"),
+        **(shard if jax.process_count() > 1 else {}),
     )
 
 
@@ -322,6 +342,7 @@ def train(
         run_dir, total_steps=t.steps, desc=t.run_name, start_step=latest if resuming else 0
     )
     summary: dict[str, Any] = {"run_name": t.run_name}
+    ahead = None
     try:
         if init_params is not None:
             params = init_params
@@ -352,31 +373,52 @@ def train(
         group_size, pad_id = cfg.rollout.group_size, tokenizer.pad_token_id or 0
         # ReMax's baseline: a greedy rollout per prompt, when the estimator reads one.
         greedy = "baseline_B" in algorithms.estimator_inputs(cfg.algorithm.adv_estimator)
+
+        def rollout(step: int, params) -> tuple[Any, float]:
+            """Step `step`'s batch, sampled with `params`, and the time it took."""
+            reward.step = step  # for rewards scheduled over training (ToolRL's scale)
+            t0 = time.perf_counter()
+            # DAPO dynamic sampling draws more prompts (rounds) until the batch is full.
+            batch = collect_batch(
+                lambda: next(loader),
+                lambda recs, g, **kw: sampler(recs, g, params, **kw),
+                reward, cfg.algorithm.filters,
+                group_size=group_size, rows=trainer.rows, pad_id=pad_id,
+                greedy_baseline=greedy,
+            )  # fmt: skip
+            return batch, time.perf_counter() - t0
+
+        ahead = AsyncRollouts(rollout) if t.async_rollouts else None
         with StopOnSignal() as stop:
             for step in range(start + 1, t.steps + 1):
-                records = next(loader)
-                reward.step = step  # for rewards scheduled over training (ToolRL's scale)
                 t0 = time.perf_counter()
-                # DAPO dynamic sampling draws more prompts (rounds) until the batch is full.
-                first = [records]
-                batch = collect_batch(
-                    lambda first=first: first.pop() if first else next(loader),
-                    lambda recs, g, **kw: sampler(recs, g, trainer.params, **kw),
-                    reward, cfg.algorithm.filters,
-                    group_size=group_size, rows=trainer.rows, pad_id=pad_id,
-                    greedy_baseline=greedy,
-                )  # fmt: skip
-                rollout_s = time.perf_counter() - t0
+                if ahead is not None and ahead.pending:
+                    (batch, rollout_s), staleness = ahead.result(), 1
+                else:
+                    (batch, rollout_s), staleness = rollout(step, trainer.params), 0
+                wait_s = time.perf_counter() - t0
+                streams = None  # with a batch sampled ahead: the data and sampler streams before it
+                if ahead is not None and step < t.steps and stop.signum is None:
+                    streams = {"data": loader.get_state(), "rollout_calls": sampler.calls}
+                    # The next batch, sampled with the weights before this update.
+                    ahead.start(step + 1, sampler.engine.serving_copy(trainer.params))
                 metrics = trainer.step(batch)
                 metrics["time/rollout_s"] = rollout_s
                 n_tokens = batch.metrics["rollout/tokens"]
                 metrics["throughput/rollout_tokens_per_s"] = n_tokens / max(rollout_s, 1e-9)
+                if ahead is not None:
+                    metrics["async/staleness"] = float(staleness)
+                    metrics["async/rollout_wait_s"] = wait_s
+                metrics["time/step_s"] = time.perf_counter() - t0
                 if t.eval_every and step % t.eval_every == 0 and step != t.steps:
+                    if ahead is not None:
+                        ahead.wait()  # one engine: the batch sampled ahead finishes first
                     ev = run_eval(cfg, sampler, trainer.params, evals, reward)
                     metrics.update({f"eval/{k}": v for k, v in public(ev).items()})
                 if step % t.log_every == 0 or step == t.steps:
                     logger.log(step, metrics)
-                extras = {"data": loader.get_state(), "rollout_calls": sampler.calls}
+                # What a resumed run continues from (a batch sampled ahead is sampled again).
+                extras = streams or {"data": loader.get_state(), "rollout_calls": sampler.calls}
                 extras["metrics"] = public(metrics)
                 last = step == t.steps or stop.signum is not None
                 if ckpt.save(step, trainer.checkpoint_state(), extras, force=last):
@@ -392,6 +434,8 @@ def train(
         summary.update(params=trainer.params, model_config=model_cfg, tokenizer=tokenizer)
         return summary
     finally:
+        if ahead is not None:
+            ahead.close()
         logger.close()
         ckpt.close()
         close_tools(tools)

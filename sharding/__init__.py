@@ -5,7 +5,7 @@ Parameters and activations are annotated with logical axis names (`batch`, `leng
 axes (`data`, `fsdp`, `tensor`).
 """
 
-from jaxrl_tools.sharding.distributed import initialize_distributed, is_main_process
+from jaxrl_tools.sharding.distributed import agree, initialize_distributed, is_main_process
 from jaxrl_tools.sharding.mesh import MESH_AXES, make_mesh, parse_mesh_shape
 from jaxrl_tools.sharding.rules import (
     DEFAULT_RULES,
@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_RULES",
     "LOGICAL_AXES",
     "MESH_AXES",
+    "agree",
     "constrain",
     "current_mesh",
     "initialize_distributed",

@@ -6,15 +6,19 @@ decide on the host must then be the same everywhere, or their device calls diffe
 deadlocks: `agree` and `to_host` are the two collectives the rollout loop uses for that.
 """
 
+import atexit
 import logging
 import os
 import pickle
 import sys
+import threading
+import time
 from typing import Any
 
 import jax
 import jax.extend.backend
 import numpy as np
+from jax._src import distributed as jax_distributed  # the runtime's client: no public handle
 from jax.experimental import multihost_utils
 
 log = logging.getLogger(__name__)
@@ -25,10 +29,11 @@ _FLAGS = {
     "JAX_NUM_PROCESSES": "--num-processes",
     "JAX_PROCESS_ID": "--process-id",
 }
-# Seconds before a dead peer is noticed (jax's default: 100) and before a stuck shutdown gives
-# up (300); tests set them low.
+# Seconds before a dead peer is noticed (default 60) and before a stuck shutdown gives up (jax's
+# default 300); tests set them low.
 HEARTBEAT_ENV = "JAXRL_HEARTBEAT_TIMEOUT_S"
 SHUTDOWN_ENV = "JAXRL_SHUTDOWN_TIMEOUT_S"
+DEFAULT_HEARTBEAT_S = 60
 
 
 def set_process_flags(
@@ -93,12 +98,13 @@ def initialize_distributed() -> bool:
         kwargs = dict(
             coordinator_address=given["JAX_COORDINATOR_ADDRESS"], num_processes=n, process_id=i
         )
-    for env, name in (
-        (HEARTBEAT_ENV, "heartbeat_timeout_seconds"),
-        (SHUTDOWN_ENV, "shutdown_timeout_seconds"),
-    ):
-        if os.environ.get(env):
-            kwargs[name] = _int(os.environ, env)
+    heartbeat = _int(os.environ, HEARTBEAT_ENV) if os.environ.get(HEARTBEAT_ENV) else None
+    heartbeat = heartbeat or DEFAULT_HEARTBEAT_S
+    # jax's own check aborts a process with a C++ stack trace when a peer misses its heartbeats;
+    # it gets twice as long, so the watchdog (one line, exit status 1) speaks first.
+    kwargs["heartbeat_timeout_seconds"] = 2 * heartbeat
+    if os.environ.get(SHUTDOWN_ENV):
+        kwargs["shutdown_timeout_seconds"] = _int(os.environ, SHUTDOWN_ENV)
     # Cross-process collectives of the CPU backend (the only one that needs telling; harmless
     # on GPU and TPU, whose collectives are NCCL's and ICI's).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -108,7 +114,64 @@ def initialize_distributed() -> bool:
     jax.extend.backend.clear_backends()
     jax.distributed.initialize(**kwargs)
     log.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+    _Watchdog(heartbeat).start()
     return True
+
+
+class _Watchdog(threading.Thread):
+    """Ends this process with one line when a peer goes silent.
+
+    Every `timeout_s / 10` seconds each process bumps its counter in the coordination service's
+    key-value store and reads the others'. A peer whose counter has not moved for `timeout_s`
+    (dead, or hung), or a coordination service that no longer answers (process 0 is gone), ends
+    this process through `exit_job`, wherever its main thread is (a collective with a dead peer
+    may wait long). A process that ends normally marks itself done first (atexit), so the
+    others do not take its silence for a death.
+    """
+
+    def __init__(self, timeout_s: float):
+        super().__init__(name="jaxrl-watchdog", daemon=True)
+        self.client = jax_distributed.global_state.client
+        self.timeout_s = float(timeout_s)
+        self.me, self.n = jax.process_index(), jax.process_count()
+        self._stop = threading.Event()
+        atexit.register(self._done)
+
+    def _done(self) -> None:
+        self._stop.set()
+        try:
+            self.client.key_value_set(f"jaxrl/done/{self.me}", "1", allow_overwrite=True)
+        except Exception:  # noqa: BLE001 - the service may be gone at exit; nothing to tell
+            pass
+
+    def run(self) -> None:
+        seen: dict[str, tuple[str, float]] = {}
+        while not self._stop.wait(self.timeout_s / 10):
+            try:
+                self.client.key_value_increment(f"jaxrl/alive/{self.me}", 1)
+                counters = dict(self.client.key_value_dir_get("jaxrl/alive/"))
+                done = {
+                    k.rsplit("/", 1)[-1] for k, _ in self.client.key_value_dir_get("jaxrl/done/")
+                }
+            except Exception as e:  # noqa: BLE001 - any failure here means the job is broken
+                if self._stop.is_set():
+                    return
+                exit_job(RuntimeError(f"the coordination service stopped answering ({e})"))
+            now = time.monotonic()
+            for p in range(self.n):
+                key = f"jaxrl/alive/{p}"
+                value = counters.get(key, "")
+                if p == self.me or str(p) in done:
+                    continue
+                if key not in seen or seen[key][0] != value:
+                    seen[key] = (value, now)
+                elif now - seen[key][1] > self.timeout_s:
+                    exit_job(
+                        RuntimeError(
+                            f"process {p} sent no heartbeat for {self.timeout_s:.0f} s (it died "
+                            "or hangs)"
+                        )
+                    )
 
 
 def _int(env, name: str) -> int:

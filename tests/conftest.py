@@ -17,6 +17,26 @@ else:
     _XLA_CACHE = None
 
 
+# The longest files first (measured): `--dist loadfile` runs each file whole on one worker, and
+# handing the long ones out first keeps one of them from starting last (CI time).
+LONGEST_FIRST = (
+    "test_multihost.py",
+    "test_lora.py",
+    "test_resume.py",
+    "test_train_rl_sharding.py",
+    "test_rollout_engine.py",
+    "test_models.py",
+    "test_rollout_loop.py",
+    "test_train_rl.py",
+    "test_cli.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _XLA_CACHE is not None:
         shutil.rmtree(_XLA_CACHE, ignore_errors=True)

@@ -30,6 +30,45 @@ TINY_RUN_MODEL = {
 }
 
 
+def tiny_run_config(tmp: Path, name: str, reward: str, **sections) -> dict:
+    """The tiny RL run of the resume, multi-host and asynchronous-rollout tests, as a config
+    dict: 2 tool_arithmetic prompts x 4 samples of the tiny Qwen2, GRPO without KL, the reward
+    `reward` (a "module:function" name), checkpoints and logs under tmp/name. `sections` update
+    a section's keys (e.g. rollout={"protocol": "retool"}) or add a section (tools=[...])."""
+    cfg = {
+        "model": {"tiny": TINY_RUN_MODEL},
+        "tokenizer": {"path": str(tmp / "tokenizer"), "vocab_size": 300},
+        "data": {
+            "task": "tool_arithmetic",
+            "task_train_size": 64,
+            "task_eval_size": 4,
+            "task_difficulty": 1,
+            "batch_size": 2,
+            "shuffle_seed": 3,
+        },
+        "rollout": {
+            "group_size": 4,
+            "max_prompt_len": 96,  # prompts of this tokenizer are ~60-80 tokens
+            "chunk_size": 8,
+            "slots": 8,
+        },
+        "algorithm": {"adv_estimator": "grpo", "kl_coef": 0.0},
+        "reward": [{"name": reward}],
+        "optim": {"lr": 1e-3, "micro_batch_size": 4, "weight_decay": 0.0},
+        "trainer": {
+            "seed": 5,
+            "checkpoint_dir": str(tmp / name / "ckpt"),
+            "keep_checkpoints": 3,
+            "resume": True,
+            "log_dir": str(tmp / name / "logs"),
+            "run_name": name,
+        },
+    }
+    for section, value in sections.items():
+        cfg[section] = {**cfg[section], **value} if isinstance(value, dict) else value
+    return cfg
+
+
 def run_on_8_devices(script: str, out_dir: Path, timeout: int) -> dict:
     """Runs `python script out_dir` on 8 simulated CPU devices; returns its out_dir/report.json."""
     env = dict(os.environ)

@@ -133,6 +133,27 @@ def test_state_restore_sees_same_data(tmp_path):
     assert _ids([next(resumed) for _ in range(5)]) == expected
 
 
+def test_a_shard_reads_its_slice_of_each_batch(tmp_path):
+    """Process 1 of 3 reads records [2:4] of each batch of 6 (and only those), and `gather`
+    gives it the whole batch; the iterator state is the unsharded loader's."""
+    src = RecordSource([_write_jsonl(tmp_path / "s.jsonl", _rows(9))])
+    whole = PromptLoader(src, batch_size=6, seed=2)
+    sent = []
+
+    def gather(mine):  # stands in for the all-gather of the other two processes' slices
+        sent.append(mine)
+        return [["p0"], mine, ["p2"]]
+
+    shard = PromptLoader(src, batch_size=6, seed=2, shard=(1, 3), gather=gather)
+    for _ in range(3):
+        batch, got = next(whole), next(shard)
+        assert sent[-1] == batch[2:4]
+        assert got == ["p0", *batch[2:4], "p2"]
+    assert shard.get_state() == whole.get_state()
+    with pytest.raises(ValueError, match="needs `gather`"):
+        PromptLoader(src, batch_size=6, shard=(0, 2))
+
+
 def test_loader_from_config(tmp_path):
     train = _write_jsonl(tmp_path / "t.jsonl", _rows(6) + ["bad"])
     cfg = DataSection(

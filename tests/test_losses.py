@@ -215,6 +215,42 @@ class OracleTest(chex.TestCase):
             out.loss, np_agg(d["ent"], d["m"], "seq-mean-token-mean"), rtol=RTOL
         )
 
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(*LOSS_AGG_MODES)
+    def test_truncated_importance_weights(self, mode):
+        """TIS: each token's clip loss times min(π_old / π_behaviour, C); no gradient through
+        the weight; weights of exactly 1 when the behaviour policy is the old one."""
+        d = make(15)
+        behaviour = d["old"] + np.random.default_rng(3).normal(scale=0.7, size=d["old"].shape)
+        behaviour = behaviour.astype(np.float32)
+        cfg = PolicyLossConfig(loss_agg_mode=mode, max_len=L_MAX, tis_cap=2.0)
+        f = self.variant(lambda lp, o, a, m, b: policy_loss(cfg, lp, o, a, m, behaviour_logp_BT=b))
+        out = f(d["logp"], d["old"], d["A"], d["m"], behaviour)
+        L, _ = np_ppo_tokens(d["logp"], d["old"], d["A"], d["m"], 0.2, 0.28, 3.0, "token")
+        w = np.minimum(np.exp(d["old"] - behaviour), 2.0)
+        np.testing.assert_allclose(out.loss, np_agg(w * L, d["m"], mode), rtol=RTOL, atol=ATOL)
+        keep = d["m"] > 0
+        ratio = np.exp(d["old"] - behaviour)[keep]
+        assert 0 < float(out.metrics["is_truncated_frac"]) < 1  # the cap was reached, not always
+        np.testing.assert_allclose(out.metrics["is_truncated_frac"], np.mean(ratio > 2.0))
+        np.testing.assert_allclose(out.metrics["is_weight_mean"], ratio.mean(), rtol=RTOL)
+        np.testing.assert_allclose(out.metrics["is_weight_max"], ratio.max(), rtol=RTOL)
+        # Staleness 0 (behaviour = old): weights 1, and the loss of the plain objective.
+        same = f(d["logp"], d["old"], d["A"], d["m"], d["old"])
+        plain = policy_loss(
+            dataclasses.replace(cfg, tis_cap=None), *[d[k] for k in "logp old A m".split()]
+        )
+        np.testing.assert_allclose(same.loss, plain.loss, rtol=RTOL, atol=ATOL)
+        assert float(same.metrics["is_weight_mean"]) == float(same.metrics["is_weight_max"]) == 1
+        # The weight is a constant of the gradient: d loss / d logp = w * (plain gradient).
+        grad = lambda c, b: jax.grad(
+            lambda lp: policy_loss(c, lp, d["old"], d["A"], d["m"], behaviour_logp_BT=b).loss
+        )(jnp.asarray(d["logp"]))
+        g_plain = grad(dataclasses.replace(cfg, tis_cap=None), None)
+        np.testing.assert_allclose(grad(cfg, behaviour), w * g_plain, rtol=1e-5, atol=1e-7)
+        with pytest.raises(ValueError, match="tis_cap needs behaviour_logp_BT"):
+            policy_loss(cfg, d["logp"], d["old"], d["A"], d["m"])
+
 
 def _full_policy_loss(cfg, d, denominator=None, sl=slice(None)):
     return policy_loss(

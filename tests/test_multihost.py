@@ -1,12 +1,14 @@
 """Multi-controller runs: 2 processes x 4 simulated CPU devices == 1 process x 8 devices.
 
 The tiny RL run of tests/test_resume.py, with the sandboxed Python tool in the loop (ReTool's
-`<code>...</code>` protocol), on the mesh 2x2x2. A random policy never writes a tool call, so
-the engine gets a logits hook that favours a fixed script (`<code>print(6*7)</code>`) for the
-first tokens of each response: most samples call the tool, the sandbox runs it, and its output
-goes back into the KV cache; the rest of each response is the policy's own sampling, and the
-reward varies with it. The script's bias is not part of the policy: the update trains the
-policy's own log-probs, as with any behaviour policy.
+`<code>...</code>` protocol), trained on the mesh 2x2x2. The two-process run decodes on a rollout
+mesh of its own (`rollout.mesh: 4x1x2`: the weights are resharded onto it after each update) and
+each process reads only its slice of every prompt batch. A random policy never writes a tool call,
+so the engine gets a logits hook that favours a fixed script (`<code>print(6*7)</code>`) for the
+first tokens of each response: most samples call the tool, the sandbox runs it, and its output goes
+back into the KV cache; the rest of each response is the policy's own sampling, and the reward
+varies with it. The script's bias is not part of the policy: the update trains the policy's own
+log-probs, as with any behaviour policy.
 
 Each run is this file executed as a script (`python tests/test_multihost.py CONFIG_JSON OUT_DIR
 [jaxrl-tools flags]`), which runs `jaxrl-tools train` (`jaxrl_tools.cli.main`) with the hook and
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fakes import TINY_RUN_MODEL
+from fakes import tiny_run_config
 
 STEPS = 2
 HERE = Path(__file__).resolve().parent
@@ -46,45 +48,22 @@ def text_reward(response: str, ground_truth=None, info=None) -> float:
     return (len(set(response)) % 3) / 2.0
 
 
-def _config(tmp: Path, name: str) -> dict:
-    return {
-        "model": {"tiny": TINY_RUN_MODEL},
-        "tokenizer": {"path": str(tmp / "tokenizer"), "vocab_size": 300},
-        "data": {
-            "task": "tool_arithmetic",
-            "task_train_size": 64,
-            "task_eval_size": 4,
-            "task_difficulty": 1,
-            "batch_size": 2,
-            "shuffle_seed": 3,
-        },
-        "rollout": {
+def _config(tmp: Path, name: str, rollout_mesh: str | None) -> dict:
+    return tiny_run_config(
+        tmp,
+        name,
+        "test_multihost:text_reward",
+        rollout={
             "protocol": "retool",
-            "group_size": 4,
-            "max_prompt_len": 96,
             "max_response_len": 48,
             "max_tool_calls": 1,
             "max_turns": 2,
             "max_obs_tokens": 16,
-            "chunk_size": 8,
-            "slots": 8,
+            "mesh": rollout_mesh,
         },
-        "tools": [{"class": "python", "config": {"mode": "stateless", "n_workers": 1}}],
-        "algorithm": {"adv_estimator": "grpo", "kl_coef": 0.0},
-        "reward": [{"name": "test_multihost:text_reward"}],
-        "optim": {"lr": 1e-3, "micro_batch_size": 4, "weight_decay": 0.0},
-        "trainer": {
-            "steps": STEPS,
-            "seed": 5,
-            "mesh": "2x2x2",
-            "checkpoint_dir": str(tmp / name / "ckpt"),
-            "checkpoint_every": 1,
-            "keep_checkpoints": 3,
-            "resume": True,
-            "log_dir": str(tmp / name / "logs"),
-            "run_name": name,
-        },
-    }
+        tools=[{"class": "python", "config": {"mode": "stateless", "n_workers": 1}}],
+        trainer={"steps": STEPS, "mesh": "2x2x2", "checkpoint_every": 1},
+    )
 
 
 def _free_port() -> int:
@@ -106,7 +85,9 @@ def _env(devices: int) -> dict:
 def _launch(tmp: Path, name: str, processes: int) -> list[subprocess.Popen]:
     cfg = tmp / f"{name}.json"
     if not cfg.exists():
-        cfg.write_text(json.dumps(_config(tmp, name)))
+        # Two processes: the engine on a mesh of its own (data-parallel decode over both).
+        rollout_mesh = None if processes == 1 else "4x1x2"
+        cfg.write_text(json.dumps(_config(tmp, name, rollout_mesh)))
     cmd = [sys.executable, __file__, str(cfg), str(tmp / name)]
     if processes == 1:
         return [subprocess.Popen(cmd, env=_env(8), stdout=subprocess.PIPE, stderr=subprocess.PIPE)]

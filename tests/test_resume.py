@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fakes import TINY_RUN_MODEL
+from fakes import tiny_run_config
 
 STEPS = 6
 EVERY = 2
@@ -41,39 +41,13 @@ def text_reward(response: str, ground_truth=None, info=None) -> float:
 
 
 def _config(tmp: Path, name: str) -> dict:
-    return {
-        "model": {"tiny": TINY_RUN_MODEL},
-        "tokenizer": {"path": str(tmp / "tokenizer"), "vocab_size": 300},
-        "data": {
-            "task": "tool_arithmetic",
-            "task_train_size": 64,
-            "task_eval_size": 4,
-            "task_difficulty": 1,
-            "batch_size": 2,
-            "shuffle_seed": 3,
-        },
-        "rollout": {
-            "protocol": "none",
-            "group_size": 4,
-            "max_prompt_len": 96,  # prompts of this tokenizer are ~60-80 tokens
-            "max_response_len": 16,
-            "chunk_size": 8,
-            "slots": 8,
-        },
-        "algorithm": {"adv_estimator": "grpo", "kl_coef": 0.0},
-        "reward": [{"name": "test_resume:text_reward"}],
-        "optim": {"lr": 1e-3, "micro_batch_size": 4, "weight_decay": 0.0},
-        "trainer": {
-            "steps": STEPS,
-            "seed": 5,
-            "checkpoint_dir": str(tmp / name / "ckpt"),
-            "checkpoint_every": EVERY,
-            "keep_checkpoints": 3,
-            "resume": True,
-            "log_dir": str(tmp / name / "logs"),
-            "run_name": name,
-        },
-    }
+    return tiny_run_config(
+        tmp,
+        name,
+        "test_resume:text_reward",
+        rollout={"protocol": "none", "max_response_len": 16},
+        trainer={"steps": STEPS, "checkpoint_every": EVERY},
+    )
 
 
 def _command(tmp: Path, name: str) -> list[str]:

@@ -10,7 +10,8 @@ Public API:
               needs_critic, list_critic_estimators, discounted_returns, gae_advantages, gae_step,
               last_token_onehot
   aggregation LossTerms, aggregate, loss_denominator, verl_loss_denominator, LOSS_AGG_MODES
-  losses      ppo_clip_loss, value_loss, entropy_loss, kl_loss, log_ratio
+  losses      ppo_clip_loss, value_loss, entropy_loss, kl_loss, log_ratio,
+              truncated_is_weights
   objective   PolicyLossConfig, policy_loss, POLICY_LOSSES, policy_loss_ratio_type
   kl          kl_penalty, apply_kl_penalty, KL_TYPES
   masked      masked_sum, masked_mean, masked_var, masked_whiten
@@ -67,6 +68,7 @@ from jaxrl_tools.algorithms.losses import (
     kl_loss,
     log_ratio,
     ppo_clip_loss,
+    truncated_is_weights,
     value_loss,
 )
 from jaxrl_tools.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
@@ -130,6 +132,7 @@ __all__ = [
     "starpo_s_filter",
     "target_logprobs",
     "token_entropy",
+    "truncated_is_weights",
     "value_loss",
     "verl_loss_denominator",
 ]

@@ -53,6 +53,7 @@ __all__ = [
     "log_ratio",
     "loss_denominator",
     "ppo_clip_loss",
+    "truncated_is_weights",
     "value_loss",
 ]
 
@@ -98,6 +99,7 @@ def ppo_clip_loss(
     loss_agg_mode: str = "token-mean",
     max_len: int | None = None,
     denominator: jax.Array | None = None,
+    is_weights_BT: jax.Array | None = None,
 ) -> LossTerms:
     """Clipped surrogate with decoupled ε bounds, optional dual clip, token or sequence ratio.
 
@@ -109,6 +111,8 @@ def ppo_clip_loss(
       dual_clip_c: c > 1 bounds the loss at −A·c for A < 0; None disables.
       ratio_type: "token" (PPO) or "sequence" (GSPO).
       loss_agg_mode, max_len, denominator: see ``aggregate``.
+      is_weights_BT: [B, T] per-token importance weights (``truncated_is_weights``) multiplying
+        each token's loss, or None.
     Returns:
       LossTerms; metrics: clipfrac_low, clipfrac_high, clipfrac (either), dual_clipfrac,
       approx_kl (mean of logπ_old − logπ, k1), ratio_mean, ratio_min, ratio_max.
@@ -121,6 +125,7 @@ def ppo_clip_loss(
         old_logp_BT=old_logp_BT,
         advantages_BT=advantages_BT,
         loss_mask_BT=loss_mask_BT,
+        is_weights_BT=is_weights_BT,
     )
     check_scalar("ppo_clip_loss", "denominator", denominator)
     A = advantages_BT.astype(f32)
@@ -139,6 +144,8 @@ def ppo_clip_loss(
         loss3 = -A * dual_clip_c
         metrics["dual_clipfrac"] = masked_mean(((A < 0) & (loss > loss3)).astype(f32), m)
         loss = jnp.where(A < 0, jnp.minimum(loss3, loss), loss)
+    if is_weights_BT is not None:
+        loss = jax.lax.stop_gradient(is_weights_BT.astype(f32)) * loss
     diff = logp_BT.astype(f32) - old_logp_BT.astype(f32)
     rmin, rmax = _masked_min_max(ratio, m)
     metrics.update(
@@ -150,6 +157,42 @@ def ppo_clip_loss(
     metrics = jax.tree.map(jax.lax.stop_gradient, metrics)
     total, denom = aggregate(loss, m, loss_agg_mode, max_len=max_len, denominator=denominator)
     return LossTerms(total, denom, metrics)
+
+
+def truncated_is_weights(
+    old_logp_BT: jax.Array, behaviour_logp_BT: jax.Array, loss_mask_BT: jax.Array, cap: float
+) -> tuple[jax.Array, dict]:
+    """Truncated importance sampling (TIS): w = min(π_old / π_behaviour, C) per token, no gradient.
+
+    π_behaviour is the policy that sampled the tokens (the rollout engine's log-probs: an older
+    policy with asynchronous rollouts, or the same weights run by another kernel in another
+    dtype); π_old is the trainer's policy at the start of the update. The weight multiplies
+    each token's policy loss, so the gradient is an (truncated, hence biased but bounded)
+    estimate of the on-policy one.
+
+    Returns:
+      (w [B, T], 1 where the mask is 0; metrics: is_weight_mean / is_weight_max of the
+      untruncated ratio over masked tokens, is_truncated_frac).
+    """
+    if not cap > 0:
+        raise ValueError(f"truncated_is_weights: cap must be > 0, got {cap}")
+    check_bt(
+        "truncated_is_weights",
+        "old_logp_BT",
+        old_logp_BT,
+        behaviour_logp_BT=behaviour_logp_BT,
+        loss_mask_BT=loss_mask_BT,
+    )
+    diff = old_logp_BT.astype(f32) - behaviour_logp_BT.astype(f32)
+    ratio = jnp.where(loss_mask_BT > 0, jnp.exp(jnp.clip(diff, -20.0, 20.0)), 1.0)
+    ratio = jax.lax.stop_gradient(ratio)
+    _, rmax = _masked_min_max(ratio, loss_mask_BT)
+    metrics = {
+        "is_weight_mean": masked_mean(ratio, loss_mask_BT),
+        "is_weight_max": rmax,
+        "is_truncated_frac": masked_mean((ratio > cap).astype(f32), loss_mask_BT),
+    }
+    return jnp.minimum(ratio, cap), metrics
 
 
 def value_loss(

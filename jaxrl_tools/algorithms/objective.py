@@ -1,4 +1,5 @@
-"""The actor objective: clip loss + kl_coef·KL − entropy_coef·H under one aggregation.
+"""The actor objective: clip loss + kl_coef·KL − entropy_coef·H under one aggregation (the clip
+loss optionally weighted by truncated importance weights against the behaviour policy).
 
 ``POLICY_LOSSES`` names the policy losses a run can choose (``algorithm.policy_loss``):
 ``ppo_clip`` (token ratio; PPO / GRPO / DAPO) and ``gspo`` (sequence ratio, 2507.18071);
@@ -22,6 +23,7 @@ from jaxrl_tools.algorithms.losses import (
     entropy_loss,
     kl_loss,
     ppo_clip_loss,
+    truncated_is_weights,
 )
 
 f32 = jnp.float32
@@ -53,6 +55,8 @@ class PolicyLossConfig:
       max_len: L_max for seq-mean-token-sum-norm.
       ratio_type: "token" (PPO/GRPO/DAPO) or "sequence" (GSPO); from a policy loss name,
         ``policy_loss_ratio_type(name)``.
+      tis_cap: C of truncated importance sampling against the behaviour log-probs
+        (``truncated_is_weights``), or None (off).
     """
 
     clip_eps_low: float = 0.2
@@ -64,6 +68,7 @@ class PolicyLossConfig:
     loss_agg_mode: str = "token-mean"
     max_len: int | None = None
     ratio_type: str = "token"
+    tis_cap: float | None = None
 
     def __post_init__(self):
         if self.clip_eps_low < 0 or self.clip_eps_high < 0:
@@ -72,6 +77,8 @@ class PolicyLossConfig:
                 f"{self.clip_eps_low}, {self.clip_eps_high}"
             )
         check_dual_clip(self.dual_clip_c)
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"PolicyLossConfig.tis_cap must be > 0 (or None), got {self.tis_cap}")
         canonical_kl_type(self.kl_type)
         check_mode(self.loss_agg_mode, self.max_len)
         if self.ratio_type not in RATIO_TYPES:
@@ -90,6 +97,7 @@ def policy_loss(
     ref_logp_BT: jax.Array | None = None,
     entropy_BT: jax.Array | None = None,
     denominator: jax.Array | None = None,
+    behaviour_logp_BT: jax.Array | None = None,
 ) -> LossTerms:
     """The actor objective: clip loss + kl_coef·KL − entropy_coef·H, one aggregation.
 
@@ -99,9 +107,13 @@ def policy_loss(
       ref_logp_BT: [B, T] reference log-probs; required when config.kl_coef != 0.
       entropy_BT: [B, T] token entropies; required when config.entropy_coef != 0.
       denominator: global mini-batch denominator (``loss_denominator``) for micro-batching.
+      behaviour_logp_BT: [B, T] log-probs of the policy that sampled the tokens; required when
+        config.tis_cap is set (each token's clip loss is then weighted by
+        min(π_old / π_behaviour, tis_cap)).
     Returns:
       LossTerms whose ``loss`` is the scalar to differentiate; metrics: pg_loss, the clip
-      metrics of ``ppo_clip_loss``, and kl / entropy when used.
+      metrics of ``ppo_clip_loss``, the importance-weight metrics of ``truncated_is_weights``,
+      and kl / entropy when used.
     """
     check_bt(
         "policy_loss",
@@ -112,11 +124,19 @@ def policy_loss(
         loss_mask_BT=loss_mask_BT,
         ref_logp_BT=ref_logp_BT,
         entropy_BT=entropy_BT,
+        behaviour_logp_BT=behaviour_logp_BT,
     )
     check_scalar("policy_loss", "denominator", denominator)
     mode, L = config.loss_agg_mode, config.max_len
     if denominator is None:
         denominator = loss_denominator(loss_mask_BT, mode, L)
+    is_weights, is_metrics = None, {}
+    if config.tis_cap is not None:
+        if behaviour_logp_BT is None:
+            raise ValueError("policy_loss: config.tis_cap needs behaviour_logp_BT")
+        is_weights, is_metrics = truncated_is_weights(
+            old_logp_BT, behaviour_logp_BT, loss_mask_BT, config.tis_cap
+        )
     pg = ppo_clip_loss(
         logp_BT,
         old_logp_BT,
@@ -129,9 +149,10 @@ def policy_loss(
         loss_agg_mode=mode,
         max_len=L,
         denominator=denominator,
+        is_weights_BT=is_weights,
     )
     total = pg.total
-    metrics = dict(pg.metrics, pg_loss=jax.lax.stop_gradient(pg.loss))
+    metrics = dict(pg.metrics, **is_metrics, pg_loss=jax.lax.stop_gradient(pg.loss))
     if config.kl_coef != 0.0:
         if ref_logp_BT is None:
             raise ValueError("policy_loss: config.kl_coef != 0 needs ref_logp_BT")

@@ -174,13 +174,16 @@ def preflight(cfg: RunConfig, *, needs_eval: bool = False) -> dict[str, Any]:
         + ("built now" if tokenizer_action == "build" else "present")
         + f", {len(tokenizer)} tokens)",
         "devices": f"{n_devices} {platform}; mesh {'x'.join(map(str, mesh_shape))} "
-        "(data x fsdp x tensor)",
+        "(data x fsdp x tensor)"
+        + ("" if r.mesh is None else f", decode on {r.mesh}")
+        + (", rollouts one step ahead" if cfg.trainer.async_rollouts else ""),
         "batch": f"{d.batch_size} prompts x {r.group_size} samples = {rows} sequences per step: "
         f"{o.num_mini_batches} mini-batch(es) x {micro_per_mini} micro-batch(es) of "
         f"{o.micro_batch_size}, {o.ppo_epochs} epoch(s)",
         "algorithm": f"{a.adv_estimator}, {a.policy_loss} (clip {a.clip_eps_low:g}/"
         f"{a.clip_eps_high:g}, {a.loss_agg_mode}), "
         + (kl if a.kl_coef > 0 else "no KL")
+        + ("" if a.tis_cap is None else f", truncated IS (cap {a.tis_cap:g})")
         + (", critic" if cfg.critic.enabled else "")
         + f"; lr {o.lr:g} {o.schedule}, warm-up {o.warmup_steps}",
         "rollout": f"protocol {r.protocol}, prompts <= {r.max_prompt_len} tokens, responses <= "

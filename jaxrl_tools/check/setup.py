@@ -109,7 +109,8 @@ def check_rewards(cfg: RunConfig) -> None:
 
 
 def check_mesh(cfg: RunConfig) -> tuple[tuple[int, int, int], int, list[str]]:
-    """The mesh fits the visible devices.
+    """The mesh fits the visible devices, and the rollout's mesh (`rollout.mesh`) and
+    asynchronous rollouts (`trainer.async_rollouts`) fit the run.
 
     Returns:
       ((data, fsdp, tensor) the run will use, visible device count, warnings).
@@ -117,19 +118,48 @@ def check_mesh(cfg: RunConfig) -> tuple[tuple[int, int, int], int, list[str]]:
     sharding.initialize_distributed()
     n = jax.device_count()
     shape = cfg.trainer.mesh_shape
+    warn = []
     if shape is None:
-        return (1, n, 1), n, []
-    if shape == (1, 1, 1):
+        shape = (1, n, 1)
+    elif shape == (1, 1, 1):
         warn = [] if n == 1 else [f"trainer.mesh=1x1x1 uses 1 of the {n} visible devices"]
-        return shape, n, warn
-    if math.prod(shape) != n:
+    elif math.prod(shape) != n:
         kind = jax.devices()[0].platform
         raise ConfigError(
             f"trainer.mesh={cfg.trainer.mesh} needs {math.prod(shape)} devices, but {n} {kind} "
             f"device(s) are visible: set trainer.mesh to a DATAxFSDPxTENSOR shape whose product "
             f"is {n} (e.g. 1x{n}x1), or auto"
         )
-    return shape, n, []
+    _check_rollout_placement(cfg, math.prod(shape))
+    return shape, n, warn
+
+
+def _check_rollout_placement(cfg: RunConfig, n_devices: int) -> None:
+    r, t = cfg.rollout, cfg.trainer
+    if r.mesh_shape is not None:
+        if math.prod(r.mesh_shape) != n_devices:
+            raise ConfigError(
+                f"rollout.mesh={r.mesh} needs {math.prod(r.mesh_shape)} devices, but the "
+                f"trainer's mesh has {n_devices}: the engine runs on the trainer's devices, give "
+                f"rollout.mesh a DATAxFSDPxTENSOR shape whose product is {n_devices} (or null)"
+            )
+        if cfg.model.lora.enabled and cfg.model.lora.decode == "adapters":
+            raise ConfigError(
+                "rollout.mesh with model.lora.decode=adapters: the engine would need the frozen "
+                "base on its mesh too; use model.lora.decode=merged or drop rollout.mesh"
+            )
+    if t.async_rollouts:
+        if cfg.algorithm.tis_cap is None:
+            raise ConfigError(
+                "trainer.async_rollouts samples each batch with the weights of one update before: "
+                "set algorithm.tis_cap (the truncated importance-weight cap; 2.0 is usual)"
+            )
+        if jax.process_count() > 1:
+            raise ConfigError(
+                f"trainer.async_rollouts runs in one process, not {jax.process_count()}: the "
+                "rollout thread's device calls would interleave with the update's in a different "
+                "order in each process; set trainer.async_rollouts=false"
+            )
 
 
 def _largest_divisor(n: int, cap: int) -> int:

@@ -1,7 +1,8 @@
 """Rollout: the decode engine (kernels, EngineCore, the JetStream adapter in `jetstream`),
-sampling, the pure stop scan, the host-side agent loop, and the run's records -> trajectories
-sampler."""
+sampling, the pure stop scan, the host-side agent loop, the run's records -> trajectories
+sampler, and one-step asynchronous rollouts (`ahead`)."""
 
+from jaxrl_tools.rollout.ahead import AsyncRollouts
 from jaxrl_tools.rollout.engine import EngineCore
 from jaxrl_tools.rollout.kernels import DecodeState, Prefix, StepOutput, next_pow2
 from jaxrl_tools.rollout.loop import BUDGET_NOTICE, RolloutLimits, arun_rollouts, run_rollouts
@@ -9,6 +10,7 @@ from jaxrl_tools.rollout.sampler import Sampler, declares_tools, make_engine
 from jaxrl_tools.rollout.sampling import GREEDY, SamplingParams
 
 __all__ = [
+    "AsyncRollouts",
     "BUDGET_NOTICE",
     "DecodeState",
     "EngineCore",

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_tools import models
+from jaxrl_tools import models, sharding
 from jaxrl_tools.rollout.kernels import (
     DecodeState,
     LogitsHook,
@@ -36,6 +36,16 @@ from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.sharding.distributed import to_host
 
 log = logging.getLogger(__name__)
+
+
+def _on_mesh(params: Params, mesh) -> bool:
+    """Whether every array of `params` is sharded on `mesh` (not on another mesh, e.g. the
+    trainer's, or on one device)."""
+    for leaf in jax.tree.leaves(params):
+        sh = getattr(leaf, "sharding", None)
+        if not isinstance(sh, jax.sharding.NamedSharding) or sh.mesh != mesh:
+            return False
+    return True
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -57,7 +67,10 @@ class EngineCore:
       max_len: KV cache positions per slot (prompt + response + observations).
       max_prefill_length: longest prefill bucket; a power of two >= 16 (JetStream's buckets).
       tokenizer: an HF tokenizer (for the JetStream tokenizer hooks and the rollout loop).
-      mesh, rules: shard the cache (and loaded params) on this mesh by logical axes.
+      mesh, rules: shard the cache (and loaded params) on this mesh by logical axes. Params
+        handed to any method that live on another mesh (the trainer's, when the rollout has a
+        mesh of its own) are resharded onto this one by their logical axes, once per new params
+        object (with the serving-dtype cast).
       dtype: the serving dtype: params handed to any method are cast to it once per new params
         object (the bf16 rollout copy of fp32 master weights), and `load_params` loads in it.
         None: params are used as given (float32 for `load_params`).
@@ -141,16 +154,35 @@ class EngineCore:
         return models.cache_bytes(self.config, self.slots, self.max_len, self.cache_dtype)
 
     def serving_params(self, params: Params) -> Params:
-        """`params` in the serving dtype: cast (and kept) once per new params object, so the
-        rollout of an RL step casts the master weights once; the params themselves when their
-        dtype is already the serving one. The cast keeps each array's sharding."""
-        if self.dtype is None or params is None:
+        """`params` as the engine serves them: in the serving dtype and on the engine's mesh.
+        Cast (the cast keeps each array's sharding) and resharded once per new params object, so
+        the rollout of an RL step does it once; the params themselves when nothing changes."""
+        if params is None:
             return params
-        if models.cast_floating(params, self.dtype) is params:  # nothing to cast (no copy)
-            return params
-        if self._served is None or self._served[0] is not params:
-            self._served = (params, _cast_jit(params, self.dtype.name))
-        return self._served[1]
+        if self._served is not None:
+            if self._served[0] is params:
+                return self._served[1]
+            self._served = None  # drop the previous copy before making the next
+        served = params
+        if self.dtype is not None and models.cast_floating(params, self.dtype) is not params:
+            served = _cast_jit(params, self.dtype.name)
+        if self._mesh is not None and not _on_mesh(served, self._mesh):
+            shardings = sharding.tree_shardings(
+                models.logical_axes(self.config), self._mesh, self.rules, shapes=served
+            )
+            served = jax.device_put(served, shardings)
+        if served is not params:
+            self._served = (params, served)
+        return served
+
+    def serving_copy(self, params: Params) -> Params:
+        """`serving_params(params)` in buffers of its own: the rollout's weights survive the
+        trainer's next (donating) update (asynchronous rollouts)."""
+        served = self.serving_params(params)
+        if served is params:
+            served = jax.tree.map(jnp.copy, params)
+            self._served = (params, served)
+        return served
 
     def _default_eos(self) -> list[int]:
         ids = []

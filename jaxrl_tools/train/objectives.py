@@ -1,10 +1,10 @@
 """The RL objectives as module-level pure functions of (params, micro-batch, denominator).
 
-Static settings come first and are bound with `functools.partial` by the trainer; the arrays are
-a micro-batch dict with "tokens", "positions", "attention", "loss_mask", "advantages", "correct"
-and optional "old_logp" / "ref_logp" (actor), "old_values" / "returns" (critic). Each loss is a
-micro-batch's *sum* divided by the whole mini-batch's denominator (`actor_denominator`), so
-accumulating micro-batches gives the full mini-batch gradient exactly.
+Static settings come first and are bound with `functools.partial` by the trainer; the arrays are a
+micro-batch dict with "tokens", "positions", "attention", "loss_mask", "advantages", "correct" and
+optional "old_logp" / "ref_logp" / "behaviour_logp" (actor), "old_values" / "returns" (critic).
+Each loss is a micro-batch's *sum* divided by the whole mini-batch's denominator
+(`actor_denominator`), so accumulating micro-batches gives the full mini-batch gradient exactly.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def policy_loss_config(a: AlgorithmSection, max_response_len: int) -> algorithms
         loss_agg_mode=a.loss_agg_mode,
         max_len=max_response_len,
         ratio_type="sequence" if a.policy_loss == "gspo" else "token",
+        tis_cap=a.tis_cap,
     )
 
 
@@ -107,6 +108,7 @@ def actor_loss(
         ref_logp_BT=mb.get("ref_logp"),
         entropy_BT=ent,
         denominator=denom,
+        behaviour_logp_BT=mb.get("behaviour_logp"),
     )
     loss = terms.loss
     metrics = dict(terms.metrics)

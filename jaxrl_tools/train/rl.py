@@ -463,6 +463,8 @@ class RLTrainer:
             "loss_mask": batch.loss_mask_RT,
             "correct": (batch.scores_R > 0).astype(np.float32),
         }
+        if self.algorithm.tis_cap is not None:  # truncated IS against the sampler's log-probs
+            b["behaviour_logp"] = batch.behaviour_logp_RT
         b = {k: self._place(v) for k, v in b.items()}
         seqs = {k: b[k] for k in ("tokens", "positions", "attention", "loss_mask")}
         if not self.single_update:
@@ -520,7 +522,8 @@ class RLTrainer:
         n_mini = o.num_mini_batches
         mini = self.rows // n_mini
         rng = np.random.default_rng(int(self.state.step) + self.setup.seed)
-        actor_keys = list(_ACTOR_KEYS) + [k for k in ("old_logp", "ref_logp") if k in batch]
+        optional = ("old_logp", "ref_logp", "behaviour_logp")
+        actor_keys = list(_ACTOR_KEYS) + [k for k in optional if k in batch]
         sums: dict[str, float] = {}
         count = 0
         for _ in range(o.ppo_epochs):

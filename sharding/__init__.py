@@ -5,7 +5,12 @@ Parameters and activations are annotated with logical axis names (`batch`, `leng
 axes (`data`, `fsdp`, `tensor`).
 """
 
-from jaxrl_tools.sharding.distributed import agree, initialize_distributed, is_main_process
+from jaxrl_tools.sharding.distributed import (
+    agree,
+    initialize_distributed,
+    is_main_process,
+    is_multiprocess,
+)
 from jaxrl_tools.sharding.mesh import MESH_AXES, make_mesh, parse_mesh_shape
 from jaxrl_tools.sharding.rules import (
     DEFAULT_RULES,
@@ -28,6 +33,7 @@ __all__ = [
     "current_mesh",
     "initialize_distributed",
     "is_main_process",
+    "is_multiprocess",
     "logical_to_spec",
     "make_mesh",
     "parse_mesh_shape",

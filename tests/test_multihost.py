@@ -62,6 +62,8 @@ def _config(tmp: Path, name: str, rollout_mesh: str | None) -> dict:
             "mesh": rollout_mesh,
         },
         tools=[{"class": "python", "config": {"mode": "stateless", "n_workers": 1}}],
+        # Each run builds its own (process 0 of two, the other waiting for it).
+        tokenizer={"path": str(tmp / name / "tokenizer"), "vocab_size": 300},
         trainer={"steps": STEPS, "mesh": "2x2x2", "checkpoint_every": 1},
     )
 
@@ -138,7 +140,7 @@ def runs(tmp_path_factory):
     tests/test_resume.py), and one two-process run is enough (CI time)."""
     tmp = tmp_path_factory.mktemp("multihost")
     timings = {}
-    t0 = time.monotonic()  # the single run builds the tokenizer before the others start
+    t0 = time.monotonic()
     [(rc, err)] = _wait(_launch(tmp, "single", 1))
     assert rc == 0, err[-4000:]
     timings["single_s"] = time.monotonic() - t0

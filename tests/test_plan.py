@@ -1,12 +1,14 @@
 """jaxrl_tools.plan: compiled memory figures account for the state, the batch and the KV cache."""
 
+import json
 import math
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
-from fakes import tiny_model_config
+from fakes import run_on_8_devices, tiny_model_config
 
 from jaxrl_tools import models, plan, sharding
 from jaxrl_tools.models.lora import lora_shapes
@@ -169,3 +171,48 @@ def test_train_and_check_refuse_a_run_that_cannot_fit(tmp_path, capsys, monkeypa
     with pytest.raises(ConfigError, match="does not fit"):
         run.train(cfg)
     assert not (tmp_path / "ckpt").exists()  # refused before anything was written
+
+
+def test_decode_on_a_rollout_mesh_of_its_own(tmp_path):
+    """`rollout.mesh`: the decode step planned beside a 1x8x1 update on its own 4x1x2 mesh is the
+    decode step planned on 4x1x2 itself, and the engine's resharded copy of the weights is
+    counted (with one mesh, float32 weights are decoded in place: no copy). 8 simulated devices,
+    in a subprocess (this file as a script)."""
+    r = run_on_8_devices(__file__, tmp_path, timeout=300)
+    assert r["own"] == r["alone"] != r["trainer"]
+    assert r["serving_same_mesh"] == 0 and r["serving_own"] == r["params_per_device_own"] > 0
+
+
+def _main(out_dir: str) -> None:
+    """Plans the tiny model's decode step on 8 devices (see the test above)."""
+    from pathlib import Path
+
+    assert jax.device_count() == 8
+    cfg = tiny_model_config()
+    train, own = sharding.make_mesh((1, 8, 1)), sharding.make_mesh((4, 1, 2))
+    shapes = dict(micro_batch_size=8, num_micro=1, seq_len=16, slots=8, cache_len=32)
+    dtypes = models.DTypePolicy()
+
+    def decode(mesh, decode_mesh=None):
+        figures = plan.plan_memory(
+            cfg, mesh=mesh, dtypes=dtypes, functions=("decode",), decode_mesh=decode_mesh, **shapes
+        )
+        return [figures["decode"].arguments, figures["decode"].temporaries]
+
+    params = models.param_shapes(cfg)
+    own_sh = sharding.tree_shardings(models.logical_axes(cfg), own, shapes=params)
+    report = {
+        "own": decode(train, own),
+        "alone": decode(own),
+        "trainer": decode(train),
+        "serving_same_mesh": plan.resident_bytes(cfg, mesh=train, dtypes=dtypes)["serving"],
+        "serving_own": plan.resident_bytes(cfg, mesh=train, dtypes=dtypes, decode_mesh=own)[
+            "serving"
+        ],
+        "params_per_device_own": plan._device_bytes(params, own_sh),
+    }
+    Path(out_dir, "report.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])

@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxrl_tools import data, envs, models, prompts
+from jaxrl_tools import data, envs, models, prompts, sharding
 from jaxrl_tools.check.setup import build_tools, tools_schema
 from jaxrl_tools.config import ConfigError, RunConfig
 from jaxrl_tools.datasets import prepare
@@ -162,7 +162,17 @@ def check_tokenizer(cfg: RunConfig) -> str:
 
 
 def open_tokenizer(cfg: RunConfig):
-    """The run's tokenizer: loaded, or built (after `check_tokenizer` allows it)."""
+    """The run's tokenizer: loaded, or built (after `check_tokenizer` allows it). In a
+    multi-process job process 0 builds it and the others wait for it (one folder on shared
+    storage: processes building it at once would race)."""
+    if not sharding.is_multiprocess():
+        return _open_tokenizer(cfg)
+    tokenizer = _open_tokenizer(cfg) if sharding.is_main_process() else None
+    sharding.agree(None)  # a barrier: process 0's tokenizer is on disk
+    return tokenizer if tokenizer is not None else _open_tokenizer(cfg)
+
+
+def _open_tokenizer(cfg: RunConfig):
     if check_tokenizer(cfg) == "build":
         t = cfg.tokenizer
         return build_tokenizer(

@@ -134,11 +134,11 @@ class _Watchdog(threading.Thread):
         self.client = jax_distributed.global_state.client
         self.timeout_s = float(timeout_s)
         self.me, self.n = jax.process_index(), jax.process_count()
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         atexit.register(self._done)
 
     def _done(self) -> None:
-        self._stop.set()
+        self._halt.set()
         try:
             self.client.key_value_set(f"jaxrl/done/{self.me}", "1", allow_overwrite=True)
         except Exception:  # noqa: BLE001 - the service may be gone at exit; nothing to tell
@@ -146,7 +146,7 @@ class _Watchdog(threading.Thread):
 
     def run(self) -> None:
         seen: dict[str, tuple[str, float]] = {}
-        while not self._stop.wait(self.timeout_s / 10):
+        while not self._halt.wait(self.timeout_s / 10):
             try:
                 self.client.key_value_increment(f"jaxrl/alive/{self.me}", 1)
                 counters = dict(self.client.key_value_dir_get("jaxrl/alive/"))
@@ -154,7 +154,7 @@ class _Watchdog(threading.Thread):
                     k.rsplit("/", 1)[-1] for k, _ in self.client.key_value_dir_get("jaxrl/done/")
                 }
             except Exception as e:  # noqa: BLE001 - any failure here means the job is broken
-                if self._stop.is_set():
+                if self._halt.is_set():
                     return
                 exit_job(RuntimeError(f"the coordination service stopped answering ({e})"))
             now = time.monotonic()

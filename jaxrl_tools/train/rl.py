@@ -6,7 +6,9 @@
      the rewards), reference log-probs (KL on) and critic values (PPO / VAPO) by forward passes,
      in micro-batches of `optim.micro_batch_size` rows like the update (one micro-batch's
      activations at a time, not the whole rollout batch's);
-  3. advantages by the configured estimator, over the real rows only;
+  3. advantages by the configured estimator, over the real rows only (with
+     `algorithm.tis_cap`, the batch's behaviour log-probs, the engine's, go to the loss for the
+     truncated importance weights);
   4. `ppo_epochs` x `num_mini_batches` actor (and critic) updates, each accumulating gradients
      over micro-batches exactly (`train.state.make_update`).
 

@@ -1,0 +1,135 @@
+"""`jaxrl-tools plan` for every paper-scale recipe on its own mesh, with simulated CPU devices.
+
+Each recipe names a Hugging Face model folder that is not on this machine; its architecture is
+written here from the model's published `config.json` fields (shapes only: no weights are read
+or made). The recipe is then planned as `jaxrl-tools plan` plans it: the micro-batched update,
+the log-prob pass and a decode step over the recipe's KV cache, compiled for the recipe's
+`trainer.mesh` (and `rollout.mesh`) on simulated devices; per-device memory of each phase with
+what stays resident, against an H100's 80 GB, and the largest micro-batch that fits.
+
+Run: .venv/bin/python benchmarks/plan_recipes.py [--recipes retool,search_r1] [--hbm h100-80g]
+       [--no-search] [rollout.slots=64 ...]
+"""
+
+import argparse
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+DEVICES = 32
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
+)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Published config.json fields of the recipes' models (Hugging Face model cards).
+QWEN25 = dict(model_type="qwen2", rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768)
+ARCHITECTURES = {
+    "Qwen2.5-32B": dict(
+        QWEN25,
+        vocab_size=152064,
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+    "Qwen2.5-7B": dict(
+        QWEN25,
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
+    "Qwen2.5-3B": dict(
+        QWEN25,
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "Qwen2.5-1.5B": dict(
+        QWEN25,
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+}
+# The recipes' model folders -> architecture (Instruct, Math and Coder variants share shapes).
+RECIPES = {
+    "retool": "Qwen2.5-32B",
+    "dapo": "Qwen2.5-32B",
+    "zerotir": "Qwen2.5-7B",
+    "artist": "Qwen2.5-7B",
+    "toolrl_grpo": "Qwen2.5-7B",
+    "tool_n1": "Qwen2.5-7B",
+    "search_r1": "Qwen2.5-3B",
+    "deepretrieval_search": "Qwen2.5-3B",
+    "deepretrieval_sql": "Qwen2.5-3B",
+    "torl": "Qwen2.5-1.5B",
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--hbm", default="h100-80g")
+    ap.add_argument("--no-search", action="store_true", help="skip the largest micro-batch")
+    ap.add_argument("overrides", nargs="*", help="config overrides for every recipe (a.b=c)")
+    args = ap.parse_args()
+
+    import jax
+
+    from jaxrl_tools import plan, sharding
+    from jaxrl_tools.config_loader import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    tmp = Path(tempfile.mkdtemp())
+    hbm = plan.ACCELERATORS[args.hbm]
+    for name in args.recipes.split(","):
+        arch = RECIPES[name]
+        folder = tmp / arch
+        folder.mkdir(exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(ARCHITECTURES[arch]))
+        cfg = load_config(
+            root / "configs" / f"{name}.yaml", [f"model.path={folder}", *args.overrides]
+        )
+        shape = cfg.trainer.mesh_shape
+        n = math.prod(shape)
+        if n > DEVICES:
+            print(f"\n{name}: mesh {cfg.trainer.mesh} needs {n} devices, {DEVICES} simulated")
+            continue
+        mesh = sharding.make_mesh(shape, jax.devices()[:n])
+        t0 = time.perf_counter()
+        try:
+            result = plan.plan_run(cfg, mesh, hbm, search=not args.no_search)
+        except (
+            ValueError
+        ) as e:  # a mesh that does not divide the model, a batch that does not split
+            print(f"\n{name} ({arch}, mesh {cfg.trainer.mesh}): {e}")
+            continue
+        r = cfg.rollout
+        print(
+            f"\n{name} ({arch}; {r.slots} slots x {r.max_prompt_len}+{r.max_response_len} tokens; "
+            f"planned in {time.perf_counter() - t0:.0f} s):"
+        )
+        for line in result.lines():
+            print("  " + line)
+
+
+if __name__ == "__main__":
+    main()

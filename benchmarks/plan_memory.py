@@ -22,44 +22,14 @@ os.environ["XLA_FLAGS"] = (
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-SHAPES = {
-    "qwen2.5-7b": dict(
-        model_type="qwen2",
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        head_dim=128,
-        rope_theta=1e6,
-        tie_word_embeddings=False,
-    ),
-    "llama-3.1-8b": dict(
-        model_type="llama",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        rope_theta=5e5,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        tie_word_embeddings=False,
-    ),
-}
+from shapes import CONFIG_JSON  # noqa: E402 - after XLA_FLAGS
+
+MODELS = ("qwen2.5-7b", "llama-3.1-8b")
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default=",".join(SHAPES))
+    ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--meshes", default="1x8x1,1x4x2")
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--micro", type=int, default=8, help="rows per micro-batch (all devices)")
@@ -78,7 +48,7 @@ def main():
         f"{args.cache_len} bf16, remat {args.remat}; fp32 master + AdamW, bf16 compute"
     )
     for name in args.models.split(","):
-        cfg = models.ModelConfig(**SHAPES[name])
+        cfg = models.ModelConfig.from_hf(CONFIG_JSON[name])
         for shape in args.meshes.split(","):
             mesh = sharding.make_mesh(tuple(int(x) for x in shape.split("x")))
             decode_mesh = None

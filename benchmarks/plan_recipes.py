@@ -25,62 +25,20 @@ os.environ["XLA_FLAGS"] = (
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# Published config.json fields of the recipes' models (Hugging Face model cards).
-QWEN25 = dict(model_type="qwen2", rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768)
-ARCHITECTURES = {
-    "Qwen2.5-32B": dict(
-        QWEN25,
-        vocab_size=152064,
-        hidden_size=5120,
-        intermediate_size=27648,
-        num_hidden_layers=64,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    ),
-    "Qwen2.5-7B": dict(
-        QWEN25,
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-    ),
-    "Qwen2.5-3B": dict(
-        QWEN25,
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=11008,
-        num_hidden_layers=36,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-    "Qwen2.5-1.5B": dict(
-        QWEN25,
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-}
+from shapes import CONFIG_JSON  # noqa: E402 - after XLA_FLAGS
+
 # The recipes' model folders -> architecture (Instruct, Math and Coder variants share shapes).
 RECIPES = {
-    "retool": "Qwen2.5-32B",
-    "dapo": "Qwen2.5-32B",
-    "zerotir": "Qwen2.5-7B",
-    "artist": "Qwen2.5-7B",
-    "toolrl_grpo": "Qwen2.5-7B",
-    "tool_n1": "Qwen2.5-7B",
-    "search_r1": "Qwen2.5-3B",
-    "deepretrieval_search": "Qwen2.5-3B",
-    "deepretrieval_sql": "Qwen2.5-3B",
-    "torl": "Qwen2.5-1.5B",
+    "retool": "qwen2.5-32b",
+    "dapo": "qwen2.5-32b",
+    "zerotir": "qwen2.5-7b",
+    "artist": "qwen2.5-7b",
+    "toolrl_grpo": "qwen2.5-7b",
+    "tool_n1": "qwen2.5-7b",
+    "search_r1": "qwen2.5-3b",
+    "deepretrieval_search": "qwen2.5-3b",
+    "deepretrieval_sql": "qwen2.5-3b",
+    "torl": "qwen2.5-1.5b",
 }
 
 
@@ -104,7 +62,7 @@ def main():
         arch = RECIPES[name]
         folder = tmp / arch
         folder.mkdir(exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(ARCHITECTURES[arch]))
+        (folder / "config.json").write_text(json.dumps(CONFIG_JSON[arch]))
         cfg = load_config(
             root / "configs" / f"{name}.yaml", [f"model.path={folder}", *args.overrides]
         )

@@ -518,6 +518,9 @@ class OptimSection:
     micro_batch_size: int = 4  # sequences per forward/backward (gradient accumulation)
     ppo_epochs: int = 1
     num_mini_batches: int = 1  # optimizer steps per RL step and epoch
+    # Sequences back to back in the update's rows (train.packing): no compute on padding;
+    # micro_batch_size then counts packed rows, and mini-batches are drawn from packed rows.
+    pack: bool = False
 
     def __post_init__(self):
         _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
@@ -607,6 +610,7 @@ class SFTSection:
     max_traces: int | None = None  # use only the first N traces of train_files (null: all)
     tool_mix: float = 0.8  # fraction of tool-using traces among non-trivial problems
     easy_tool_mix: float = 0.0  # fraction of tool-using traces among easy problems
+    pack: bool = False  # each batch's traces back to back in as few rows as fit (train.packing)
 
     def __post_init__(self):
         _check(self.epochs >= 0, "sft.epochs", "must be >= 0")
@@ -660,6 +664,12 @@ class RunConfig:
                 f"must be > 0 for algorithm.adv_estimator={est!r}: greedy sampling makes the "
                 "responses of a group identical and every advantage zero",
             )
+        _check(
+            self.model.attention != "cudnn" or not (self.optim.pack or self.sft.pack),
+            "model.attention",
+            "'cudnn' takes no packed rows (jax's API has no segment ids): use 'auto' or "
+            "'chunked', or set optim.pack and sft.pack to false",
+        )
         if self.tokenizer.path is None:
             _check(
                 self.model.path is not None,

@@ -160,6 +160,7 @@ def make_trainer(cfg: RunConfig, model_cfg, params, mesh=None) -> RLTrainer:
         remat=cfg.model.remat_policy if cfg.model.remat else False,
         dtypes=cfg.model.dtypes,
         attention=cfg.model.attention,
+        pack=cfg.optim.pack,
         lora=cfg.model.lora.config,
         lora_decode=cfg.model.lora.decode,
         # After SFT the base is not model.path's weights: a resumed run needs it back.
@@ -272,6 +273,7 @@ def run_sft(cfg: RunConfig, model_cfg, params, tokenizer, mesh=None):
         mesh=mesh,
         dtypes=cfg.model.dtypes,
         attention=cfg.model.attention,
+        pack=s.pack,
     )
 
 

@@ -4,9 +4,12 @@ Every implementation computes the same masked, grouped-query attention:
 
   out[b, t, h] = softmax_s(q[b, t, h] . k[b, s, h // G] / sqrt(Dh) over allowed s) @ v[b, s, h // G]
   allowed(b, t, s) = kv_valid[b, s] and s <= q_pos[b, t] (and q_pos[b, t] - s < window)
+                     (and segment[b, t] == segment[b, s] for packed rows)
 
 `q_pos[b, t]` is the key index query t sits at: `t` in a training forward (causal), the absolute
 position in a decode step over a cache row. `kv_valid` marks real keys (padding is False).
+`segment` (optional, self-attention only) numbers the sequences packed into one row: a token sees
+only the earlier tokens of its own sequence.
 
 Implementations (`impl`):
   "dense"    the [B, H, T, S] float32 score matrix, as the model has always computed it; the
@@ -16,9 +19,10 @@ Implementations (`impl`):
              equal to "dense" to float32 rounding (tests: 1e-5, value and gradient).
   "cudnn"    `jax.nn.dot_product_attention(implementation="cudnn")`: cuDNN flash attention on
              NVIDIA GPUs. It takes causal + right padding (per-row lengths), bf16/fp16, Dh <= 128;
-             only used when the caller passes `kv_lengths` (right-padded rows) and T == S.
-  "pallas"   `jax.experimental.pallas.ops.tpu.flash_attention` on TPU, causal, padding by
-             segment ids (any padding layout), kv heads repeated for GQA.
+             only used when the caller passes `kv_lengths` (right-padded rows) and T == S; no
+             packed rows (jax's API takes no segment ids).
+  "pallas"   `jax.experimental.pallas.ops.tpu.flash_attention` on TPU, causal, padding and
+             packed sequences by segment ids, kv heads repeated for GQA.
   "auto"     picks per call from the platform and shapes (`select_impl`).
 
 Queries whose row allows no key (padding) get an arbitrary finite output (mean of some values,
@@ -42,21 +46,29 @@ DENSE_MAX_SCORES = 1 << 24
 CHUNK = 512  # query and key chunk of the chunked path
 
 
-def select_impl(impl: str, *, T: int, S: int, Dh: int, dtype, has_lengths: bool) -> str:
+def select_impl(
+    impl: str, *, T: int, S: int, Dh: int, dtype, has_lengths: bool, packed: bool = False
+) -> str:
     """The implementation "auto" resolves to for these shapes on the default backend.
 
     GPU: cuDNN flash for bf16/fp16 causal self-attention over right-padded rows (T == S, lengths
-    given, Dh <= 128 and a multiple of 8). TPU: the Pallas flash kernel for causal self-attention
-    when T is a multiple of 128 and Dh of 128. Otherwise dense while T * S <= DENSE_MAX_SCORES,
-    else chunked.
+    given, not packed, Dh <= 128 and a multiple of 8). TPU: the Pallas flash kernel for causal
+    self-attention when T is a multiple of 128 and Dh of 128. Otherwise dense while
+    T * S <= DENSE_MAX_SCORES, else chunked.
     """
     if impl not in IMPLS:
         raise ValueError(f"attention implementation {impl!r} is not one of {list(IMPLS)}")
+    if impl == "cudnn" and packed:
+        raise ValueError(
+            "attention impl 'cudnn' takes no packed rows (jax's API has no segment ids); use "
+            "'auto' or 'chunked', or turn packing off"
+        )
     if impl != "auto":
         return impl
     backend = jax.default_backend()
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if backend == "gpu" and half and has_lengths and T == S and Dh <= 128 and Dh % 8 == 0:
+    cudnn_ok = has_lengths and not packed and T == S and Dh <= 128 and Dh % 8 == 0
+    if backend == "gpu" and half and cudnn_ok:
         return "cudnn"
     if backend == "tpu" and T == S and T % 128 == 0 and Dh % 128 == 0:
         return "pallas"
@@ -71,6 +83,7 @@ def attention(
     kv_valid_BS: jax.Array,
     *,
     kv_lengths_B: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
     impl: str = "auto",
     window: int | None = None,
     chunk: int = CHUNK,
@@ -84,6 +97,8 @@ def attention(
       kv_valid_BS: bool, real keys.
       kv_lengths_B: optional per-row lengths when rows are right-padded self-attention
         (kv_valid[b] = [s < kv_lengths[b]], q_pos[b, t] = t): lets "auto" choose cuDNN.
+      segment_ids_BT: int, packed self-attention (T == S): a query attends only to keys of the
+        same segment id (0 on padding); None: one sequence per row.
       impl: one of IMPLS.
       window: sliding window (a query sees the `window` keys ending at its own position).
       chunk: query/key chunk of the chunked path.
@@ -95,13 +110,23 @@ def attention(
     S, K = k_BSKD.shape[1], k_BSKD.shape[2]
     if H % K:
         raise ValueError(f"attention: {H} query heads are not a multiple of {K} kv heads")
+    packed = segment_ids_BT is not None
+    if packed and T != S:
+        raise ValueError(f"attention: segment ids need self-attention (T == S), got {T} vs {S}")
     impl = select_impl(
-        impl, T=T, S=S, Dh=Dh, dtype=q_BTHD.dtype, has_lengths=kv_lengths_B is not None
+        impl,
+        T=T,
+        S=S,
+        Dh=Dh,
+        dtype=q_BTHD.dtype,
+        has_lengths=kv_lengths_B is not None,
+        packed=packed,
     )
+    seg = None if not packed else segment_ids_BT.astype(jnp.int32)
     if impl == "dense":
-        return _dense(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window)
+        return _dense(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window, seg)
     if impl == "chunked":
-        return _chunked(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window, chunk)
+        return _chunked(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window, chunk, seg)
     if impl == "cudnn":
         if kv_lengths_B is None or T != S:
             raise ValueError("attention impl 'cudnn' needs right-padded self-attention lengths")
@@ -115,20 +140,24 @@ def attention(
             local_window_size=None if window is None else (window - 1, 0),
             implementation="cudnn",
         ).astype(v_BSKD.dtype)
-    return _pallas_tpu(q_BTHD, k_BSKD, v_BSKD, kv_valid_BS, window)
+    if seg is None:  # segments = validity: padding 0, the row's tokens 1
+        seg = kv_valid_BS.astype(jnp.int32)
+    return _pallas_tpu(q_BTHD, k_BSKD, v_BSKD, seg, window)
 
 
-def _allowed(q_pos_BT, kv_pos_S, kv_valid_BS, window):
+def _allowed(q_pos_BT, kv_pos_S, kv_valid_BS, window, q_seg_BT=None, kv_seg_BS=None):
     ok = (kv_pos_S[None, None, :] <= q_pos_BT[:, :, None]) & kv_valid_BS[:, None, :]
     if window is not None:
         ok &= q_pos_BT[:, :, None] - kv_pos_S[None, None, :] < window
+    if q_seg_BT is not None:
+        ok &= q_seg_BT[:, :, None] == kv_seg_BS[:, None, :]
     return ok
 
 
-def _dense(q, k, v, q_pos_BT, kv_valid_BS, window):
+def _dense(q, k, v, q_pos_BT, kv_valid_BS, window, seg_BT=None):
     B, T, H, Dh = q.shape
     K = k.shape[2]
-    mask_BTS = _allowed(q_pos_BT, jnp.arange(k.shape[1]), kv_valid_BS, window)
+    mask_BTS = _allowed(q_pos_BT, jnp.arange(k.shape[1]), kv_valid_BS, window, seg_BT, seg_BT)
     q = q.reshape(B, T, K, H // K, Dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (Dh**-0.5)
@@ -143,7 +172,7 @@ def _pad_axis(x, axis, size, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _chunked(q, k, v, q_pos_BT, kv_valid_BS, window, chunk):
+def _chunked(q, k, v, q_pos_BT, kv_valid_BS, window, chunk, seg_BT=None):
     B, T, H, Dh = q.shape
     S, K = k.shape[1], k.shape[2]
     G = H // K
@@ -156,17 +185,21 @@ def _chunked(q, k, v, q_pos_BT, kv_valid_BS, window, chunk):
     v = _pad_axis(v, 1, nk * kc).reshape(B, nk, kc, K, Dh)
     valid = _pad_axis(kv_valid_BS.astype(bool), 1, nk * kc, False).reshape(B, nk, kc)
     kv_pos = jnp.arange(nk * kc, dtype=jnp.int32).reshape(nk, kc)
+    # Without packing every (query, key) pair is of the same segment: all zeros.
+    seg_BT = jnp.zeros((B, T), jnp.int32) if seg_BT is None else seg_BT
+    q_seg = _pad_axis(seg_BT, 1, nq * qc).reshape(B, nq, qc)
+    kv_seg = _pad_axis(seg_BT, 1, nk * kc).reshape(B, nk, kc)
     scale = Dh**-0.5
-    kv_xs = (k.swapaxes(0, 1), v.swapaxes(0, 1), valid.swapaxes(0, 1), kv_pos)
+    kv_xs = (*(x.swapaxes(0, 1) for x in (k, v, valid, kv_seg)), kv_pos)
 
     @jax.checkpoint
-    def q_block(q_bqkgd, qp_bq):
+    def q_block(q_bqkgd, qp_bq, qs_bq):
         # Only the running max / sum / output of the online softmax are carried; the backward
         # pass recomputes each block's scores (checkpoint) instead of storing them.
         @jax.checkpoint
         def kv_block(carry, xs):
-            k_c, v_c, valid_c, pos_c = xs
-            ok_BTS = _allowed(qp_bq, pos_c, valid_c, window)
+            k_c, v_c, valid_c, seg_c, pos_c = xs
+            ok_BTS = _allowed(qp_bq, pos_c, valid_c, window, qs_bq, seg_c)
 
             def update(carry):
                 m, denom, acc = carry
@@ -197,26 +230,26 @@ def _chunked(q, k, v, q_pos_BT, kv_valid_BS, window, chunk):
     def q_step(_, xs):
         return None, q_block(*xs)
 
-    _, out = jax.lax.scan(q_step, None, (q.swapaxes(0, 1), q_pos.swapaxes(0, 1)))
+    xs = (q.swapaxes(0, 1), q_pos.swapaxes(0, 1), q_seg.swapaxes(0, 1))
+    _, out = jax.lax.scan(q_step, None, xs)
     # out: [nq, B, qc, K, G, Dh] -> [B, T, H, Dh]
     return out.swapaxes(0, 1).reshape(B, nq * qc, H, Dh)[:, :T]
 
 
-def _pallas_tpu(q, k, v, kv_valid_BS, window):
+def _pallas_tpu(q, k, v, seg_BT, window):
     # Imported lazily: Pallas takes seconds to import and is only useful on a TPU.
     from jax.experimental.pallas.ops.tpu import flash_attention as fa  # noqa: PLC0415
 
     if window is not None:
         raise ValueError("attention impl 'pallas' has no sliding window; use 'chunked'")
     H, K, Dh = q.shape[2], k.shape[2], q.shape[3]
-    seg = kv_valid_BS.astype(jnp.int32)
     rep = functools.partial(jnp.repeat, repeats=H // K, axis=2)
     to_bhtd = lambda x: jnp.swapaxes(x, 1, 2)
     out = fa.flash_attention(
         to_bhtd(q),
         to_bhtd(rep(k).astype(q.dtype)),
         to_bhtd(rep(v).astype(q.dtype)),
-        segment_ids=fa.SegmentIds(q=seg, kv=seg),
+        segment_ids=fa.SegmentIds(q=seg_BT, kv=seg_BT),
         causal=True,
         sm_scale=Dh**-0.5,
     )

@@ -179,7 +179,8 @@ def _rotate(x_BTNK, cos_BTK, sin_BTK):
 
 
 class Attention(nn.Module):
-    """Self-attention; `mask` = (q_pos_BT, kv_valid_BS, kv_lengths_B or None), see
+    """Self-attention; `mask` = (q_pos_BT, kv_valid_BS, kv_lengths_B or None, segment_ids_BT or
+    None), see
     `models.attention`. With a cache, the keys attended are the first kv_valid_BS.shape[1]
     positions of each row (the live part), not the whole row."""
 
@@ -227,9 +228,16 @@ class Attention(nn.Module):
             k = from_stored(ck[layer_idx, :, :live]).astype(q.dtype)
             v = from_stored(cv[layer_idx, :, :live]).astype(q.dtype)
 
-        q_pos_BT, kv_valid_BS, kv_lengths_B = mask
+        q_pos_BT, kv_valid_BS, kv_lengths_B, segment_ids_BT = mask
         out = attn_lib.attention(
-            q, k, v, q_pos_BT, kv_valid_BS, kv_lengths_B=kv_lengths_B, impl=self.impl
+            q,
+            k,
+            v,
+            q_pos_BT,
+            kv_valid_BS,
+            kv_lengths_B=kv_lengths_B,
+            segment_ids_BT=segment_ids_BT,
+            impl=self.impl,
         )
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
         return OutProjection(D, pd, drop, name="o_proj")(out), cache
@@ -333,13 +341,14 @@ class Decoder(nn.Module):
         return h, cache
 
 
-def _self_mask(attention_mask_BT, right_padded: bool = False):
+def _self_mask(attention_mask_BT, right_padded: bool = False, packed: bool = False):
     """The attention mask spec of a causal forward over (padded) rows: query t sees key s <= t
-    that is not padding."""
+    that is not padding (and, `packed`, of the same segment: the mask's value)."""
     B, T = attention_mask_BT.shape
     valid = attention_mask_BT > 0
-    lengths = jnp.sum(valid, axis=-1, dtype=jnp.int32) if right_padded else None
-    return (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), valid, lengths)
+    lengths = jnp.sum(valid, axis=-1, dtype=jnp.int32) if right_padded and not packed else None
+    segments = attention_mask_BT.astype(jnp.int32) if packed else None
+    return (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), valid, lengths, segments)
 
 
 def _boxed_shapes(config: ModelConfig, dtype) -> Params:
@@ -431,7 +440,7 @@ def _apply(
 
 def default_positions(attention_mask_BT: jax.Array) -> jax.Array:
     """Positions for a (left-)padded batch: cumsum(mask) - 1, clipped at 0 on padding."""
-    return jnp.maximum(jnp.cumsum(attention_mask_BT.astype(jnp.int32), axis=-1) - 1, 0)
+    return jnp.maximum(jnp.cumsum((attention_mask_BT > 0).astype(jnp.int32), axis=-1) - 1, 0)
 
 
 def hidden_states(
@@ -444,6 +453,7 @@ def hidden_states(
     remat: bool | str = False,
     attention: str = "auto",
     right_padded: bool = False,
+    packed: bool = False,
 ) -> jax.Array:
     """Hidden states after the final norm, h_BTD in the compute dtype (= the params' dtype).
 
@@ -461,6 +471,8 @@ def hidden_states(
         outputs, recompute the elementwise ops).
       attention: the attention implementation (`models.attention.IMPLS`; "auto" by platform).
       right_padded: every row's real tokens come first (lets "auto" use cuDNN on GPU).
+      packed: rows hold several sequences: `attention_mask` numbers them (1, 2, ...; 0 on
+        padding) and a token attends only within its own; `positions` restart per sequence.
 
     Returns:
       h_BTD with logits = h_BTD @ unembed(config, params).
@@ -469,8 +481,10 @@ def hidden_states(
     if attention_mask is None:
         attention_mask = jnp.ones((B, T), jnp.int32)
     if positions is None:
+        if packed:
+            raise ValueError("hidden_states: packed rows need their positions (0 at each start)")
         positions = default_positions(attention_mask)
-    mask = _self_mask(attention_mask, right_padded)
+    mask = _self_mask(attention_mask, right_padded, packed)
     h, _ = _apply(config, params, input_ids_BT, positions, mask, remat=remat, attention=attention)
     return h
 
@@ -497,8 +511,9 @@ def forward(
     positions=None,
     remat: bool = False,
     attention: str = "auto",
+    packed: bool = False,
 ) -> jax.Array:
-    """Logits of a (possibly left-padded) batch.
+    """Logits of a (possibly left-padded, or packed: see `hidden_states`) batch.
 
     Args:
       config: the architecture.
@@ -508,6 +523,7 @@ def forward(
       positions: [B, T] rotary positions (default cumsum(attention_mask) - 1).
       remat: rematerialise each layer in the backward pass (less memory, more compute).
       attention: the attention implementation (`models.attention.IMPLS`; "auto" by platform).
+      packed: `attention_mask` numbers the sequences packed into each row (`hidden_states`).
 
     Returns:
       logits_BTV in float32 (rows at padding positions are meaningless but finite).
@@ -520,6 +536,7 @@ def forward(
         positions=positions,
         remat=remat,
         attention=attention,
+        packed=packed,
     )
     return _logits(config, params, h)
 
@@ -571,7 +588,7 @@ def forward_cached(
     write_pos = jnp.where(valid_BT > 0, positions_BT, S)  # S is out of range: dropped
     live = S if attend_len is None else min(int(attend_len), S)
     # Every written position of the live prefix is a real token: only the causal bound masks.
-    mask = (positions_BT, jnp.ones((B, live), bool), None)
+    mask = (positions_BT, jnp.ones((B, live), bool), None, None)
     h, (k, v) = _apply(
         config,
         params,

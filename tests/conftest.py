@@ -24,6 +24,7 @@ LONGEST_FIRST = (
     "test_lora.py",
     "test_resume.py",
     "test_train_rl_sharding.py",
+    "test_packing.py",
     "test_rollout_engine.py",
     "test_models.py",
     "test_rollout_loop.py",

@@ -16,7 +16,8 @@ Aggregation modes (``LOSS_AGG_MODES``; per-token loss L[i, t], mask m):
   seq-mean-token-sum-norm  total = ΣΣ L·m,                 denominator = #sequences·L_max (Dr.GRPO)
 ``#sequences`` counts rows with at least one mask token, so all-padding rows added to fill a
 fixed-shape batch do not change the result (= B without such rows, as docs/METHODS.md's
-mean_i).
+mean_i). Packed rows (several sequences per row, ``segment_ids_BT`` numbering them) count and
+average per sequence instead of per row, so packing does not change the loss.
 
 Shapes: the mask must have exactly the loss's [B, T] shape and ``denominator`` must be a scalar
 (anything else is a ValueError naming the argument, never a broadcast).
@@ -35,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_tools.algorithms._checks import check_like, check_ndim, check_scalar
-from jaxrl_tools.algorithms.masked import masked_sum
+from jaxrl_tools.algorithms.masked import count_segments, masked_sum, segment_masked_sum
 
 f32 = jnp.float32
 
@@ -82,7 +83,10 @@ def check_bt(fn: str, ref_name: str, ref, **others) -> None:
 
 
 def loss_denominator(
-    loss_mask_BT: jax.Array, mode: str = "token-mean", max_len: int | None = None
+    loss_mask_BT: jax.Array,
+    mode: str = "token-mean",
+    max_len: int | None = None,
+    segment_ids_BT: jax.Array | None = None,
 ) -> jax.Array:
     """Denominator of ``mode`` for this mask (compute it over the whole mini-batch).
 
@@ -90,6 +94,7 @@ def loss_denominator(
       loss_mask_BT: [B, T] 1 on model tokens.
       mode: one of LOSS_AGG_MODES.
       max_len: L_max (generation budget) for seq-mean-token-sum-norm.
+      segment_ids_BT: [B, T] the sequence of each token in packed rows, or None (one per row).
     Returns:
       float32 scalar.
     """
@@ -98,7 +103,10 @@ def loss_denominator(
     m = jnp.asarray(loss_mask_BT > 0, f32)
     if mode == "token-mean":
         return jnp.sum(m)
-    n_seq = jnp.sum(jnp.any(loss_mask_BT > 0, axis=1).astype(f32))
+    if segment_ids_BT is None:
+        n_seq = jnp.sum(jnp.any(loss_mask_BT > 0, axis=1).astype(f32))
+    else:
+        n_seq = count_segments(m, segment_ids_BT)
     if mode == "seq-mean-token-sum-norm":
         return n_seq * float(max_len)
     return n_seq
@@ -137,6 +145,7 @@ def aggregate(
     *,
     max_len: int | None = None,
     denominator: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(total, denominator) of a per-token loss under ``mode``; loss = total / denominator.
 
@@ -146,18 +155,23 @@ def aggregate(
       mode: one of LOSS_AGG_MODES.
       max_len: L_max for seq-mean-token-sum-norm.
       denominator: a global (mini-batch) denominator to use instead of this mask's (a scalar).
+      segment_ids_BT: [B, T] the sequence of each token in packed rows, or None (one per row).
     Returns:
       (total, denominator) float32 scalars.
     """
     check_mode(mode, max_len)
     check_bt("aggregate", "loss_BT", loss_BT, loss_mask_BT=loss_mask_BT)
     check_scalar("aggregate", "denominator", denominator)
-    if mode == "seq-mean-token-mean":
+    if mode == "seq-mean-token-mean" and segment_ids_BT is not None:
+        ones = jnp.ones(loss_mask_BT.shape, f32)
+        n_tok = segment_masked_sum(ones, loss_mask_BT, segment_ids_BT)
+        total = masked_sum(jnp.asarray(loss_BT, f32) / jnp.maximum(n_tok, 1.0), loss_mask_BT)
+    elif mode == "seq-mean-token-mean":
         per_seq = masked_sum(loss_BT, loss_mask_BT, axis=1)
         n_tok = jnp.sum(jnp.asarray(loss_mask_BT > 0, f32), axis=1)
         total = jnp.sum(per_seq / jnp.maximum(n_tok, 1.0))
     else:
         total = masked_sum(loss_BT, loss_mask_BT)
     if denominator is None:
-        denominator = loss_denominator(loss_mask_BT, mode, max_len)
+        denominator = loss_denominator(loss_mask_BT, mode, max_len, segment_ids_BT)
     return total, jnp.asarray(denominator, f32)

@@ -38,7 +38,7 @@ from jaxrl_tools.algorithms.aggregation import (
     loss_denominator,
 )
 from jaxrl_tools.algorithms.kl import kl_penalty
-from jaxrl_tools.algorithms.masked import masked_mean
+from jaxrl_tools.algorithms.masked import masked_mean, segment_masked_sum
 
 f32 = jnp.float32
 
@@ -72,16 +72,27 @@ def _masked_min_max(x, mask):
 
 
 def log_ratio(
-    logp_BT: jax.Array, old_logp_BT: jax.Array, loss_mask_BT: jax.Array, ratio_type: str = "token"
+    logp_BT: jax.Array,
+    old_logp_BT: jax.Array,
+    loss_mask_BT: jax.Array,
+    ratio_type: str = "token",
+    segment_ids_BT: jax.Array | None = None,
 ) -> jax.Array:
-    """log ρ per token, clamped to ±20: token-level, or GSPO's sequence-level (see module doc)."""
+    """log ρ per token, clamped to ±20: token-level, or GSPO's sequence-level (see module doc;
+    the sequence is the row, or with ``segment_ids_BT`` the packed sequence)."""
     if ratio_type not in RATIO_TYPES:
         raise ValueError(f"unknown ratio_type {ratio_type!r}; valid: {', '.join(RATIO_TYPES)}")
     check_bt("log_ratio", "logp_BT", logp_BT, old_logp_BT=old_logp_BT, loss_mask_BT=loss_mask_BT)
     diff = logp_BT.astype(f32) - old_logp_BT.astype(f32)
     if ratio_type == "token":
         return jnp.clip(diff, -20.0, 20.0)
-    seq = jax.lax.stop_gradient(masked_mean(diff, loss_mask_BT, axis=1))[:, None]
+    if segment_ids_BT is None:
+        seq = masked_mean(diff, loss_mask_BT, axis=1)[:, None]
+    else:
+        ones = jnp.ones(diff.shape, f32)
+        n = segment_masked_sum(ones, loss_mask_BT, segment_ids_BT)
+        seq = segment_masked_sum(diff, loss_mask_BT, segment_ids_BT) / jnp.maximum(n, 1.0)
+    seq = jax.lax.stop_gradient(seq)
     lp = logp_BT.astype(f32)
     return jnp.clip(lp - jax.lax.stop_gradient(lp) + seq, -20.0, 20.0)
 
@@ -100,6 +111,7 @@ def ppo_clip_loss(
     max_len: int | None = None,
     denominator: jax.Array | None = None,
     is_weights_BT: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
 ) -> LossTerms:
     """Clipped surrogate with decoupled ε bounds, optional dual clip, token or sequence ratio.
 
@@ -113,6 +125,7 @@ def ppo_clip_loss(
       loss_agg_mode, max_len, denominator: see ``aggregate``.
       is_weights_BT: [B, T] per-token importance weights (``truncated_is_weights``) multiplying
         each token's loss, or None.
+      segment_ids_BT: [B, T] the sequence of each token in packed rows (``aggregate``), or None.
     Returns:
       LossTerms; metrics: clipfrac_low, clipfrac_high, clipfrac (either), dual_clipfrac,
       approx_kl (mean of logπ_old − logπ, k1), ratio_mean, ratio_min, ratio_max.
@@ -129,7 +142,7 @@ def ppo_clip_loss(
     )
     check_scalar("ppo_clip_loss", "denominator", denominator)
     A = advantages_BT.astype(f32)
-    ratio = jnp.exp(log_ratio(logp_BT, old_logp_BT, loss_mask_BT, ratio_type))
+    ratio = jnp.exp(log_ratio(logp_BT, old_logp_BT, loss_mask_BT, ratio_type, segment_ids_BT))
     lo, hi = 1.0 - clip_eps_low, 1.0 + clip_eps_high
     loss1 = -A * ratio
     loss2 = -A * jnp.clip(ratio, lo, hi)
@@ -155,7 +168,14 @@ def ppo_clip_loss(
         ratio_max=rmax,
     )
     metrics = jax.tree.map(jax.lax.stop_gradient, metrics)
-    total, denom = aggregate(loss, m, loss_agg_mode, max_len=max_len, denominator=denominator)
+    total, denom = aggregate(
+        loss,
+        m,
+        loss_agg_mode,
+        max_len=max_len,
+        denominator=denominator,
+        segment_ids_BT=segment_ids_BT,
+    )
     return LossTerms(total, denom, metrics)
 
 
@@ -251,12 +271,18 @@ def entropy_loss(
     loss_agg_mode: str = "token-mean",
     max_len: int | None = None,
     denominator: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
 ) -> LossTerms:
     """Aggregated entropy H (a bonus: the objective subtracts coef·H). Metrics: entropy."""
     check_bt("entropy_loss", "entropy_BT", entropy_BT, loss_mask_BT=loss_mask_BT)
     check_scalar("entropy_loss", "denominator", denominator)
     total, denom = aggregate(
-        entropy_BT, loss_mask_BT, loss_agg_mode, max_len=max_len, denominator=denominator
+        entropy_BT,
+        loss_mask_BT,
+        loss_agg_mode,
+        max_len=max_len,
+        denominator=denominator,
+        segment_ids_BT=segment_ids_BT,
     )
     return LossTerms(
         total, denom, {"entropy": jax.lax.stop_gradient(masked_mean(entropy_BT, loss_mask_BT))}
@@ -272,12 +298,18 @@ def kl_loss(
     loss_agg_mode: str = "token-mean",
     max_len: int | None = None,
     denominator: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
 ) -> LossTerms:
     """Aggregated per-token KL to the reference (``kl.kl_penalty``). Metrics: kl."""
     check_bt("kl_loss", "logp_BT", logp_BT, ref_logp_BT=ref_logp_BT, loss_mask_BT=loss_mask_BT)
     check_scalar("kl_loss", "denominator", denominator)
     kl = kl_penalty(logp_BT, ref_logp_BT, kl_type)
     total, denom = aggregate(
-        kl, loss_mask_BT, loss_agg_mode, max_len=max_len, denominator=denominator
+        kl,
+        loss_mask_BT,
+        loss_agg_mode,
+        max_len=max_len,
+        denominator=denominator,
+        segment_ids_BT=segment_ids_BT,
     )
     return LossTerms(total, denom, {"kl": jax.lax.stop_gradient(masked_mean(kl, loss_mask_BT))})

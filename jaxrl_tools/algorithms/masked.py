@@ -29,6 +29,28 @@ def masked_mean(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
     return masked_sum(x, mask, axis) / jnp.maximum(n, 1.0)
 
 
+def _segment_totals(x_BT, mask_BT, segment_ids_BT):
+    B, T = x_BT.shape
+    seg = jnp.clip(jnp.asarray(segment_ids_BT, jnp.int32), 0, T)  # a row has at most T segments
+    x = jnp.where(mask_BT > 0, jnp.asarray(x_BT, f32), 0.0)
+    return seg, jnp.zeros((B, T + 1), f32).at[jnp.arange(B)[:, None], seg].add(x)
+
+
+def segment_masked_sum(x_BT: jax.Array, mask_BT: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
+    """Per token, the masked sum of ``x`` over its sequence: the tokens of its row with the same
+    segment id (rows packed with several sequences; ids in [0, T]). [B, T] float32."""
+    check_like("segment_masked_sum", "x_BT", x_BT, mask_BT=mask_BT, segment_ids_BT=segment_ids_BT)
+    seg, totals = _segment_totals(x_BT, mask_BT, segment_ids_BT)
+    return jnp.take_along_axis(totals, seg, axis=1)
+
+
+def count_segments(mask_BT: jax.Array, segment_ids_BT: jax.Array) -> jax.Array:
+    """How many sequences (row, segment id) have at least one mask entry; a float32 scalar."""
+    check_like("count_segments", "mask_BT", mask_BT, segment_ids_BT=segment_ids_BT)
+    _, totals = _segment_totals(jnp.ones(mask_BT.shape, f32), mask_BT, segment_ids_BT)
+    return jnp.sum((totals > 0).astype(f32))
+
+
 def masked_var(x: jax.Array, mask: jax.Array, unbiased: bool = True) -> jax.Array:
     """Variance over all masked entries; unbiased (ddof=1, Bessel n/(n-1)) as verl's masked_var."""
     check_like("masked_var", "x", x, mask=mask)

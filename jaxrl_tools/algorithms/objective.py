@@ -98,6 +98,7 @@ def policy_loss(
     entropy_BT: jax.Array | None = None,
     denominator: jax.Array | None = None,
     behaviour_logp_BT: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
 ) -> LossTerms:
     """The actor objective: clip loss + kl_coef·KL − entropy_coef·H, one aggregation.
 
@@ -110,6 +111,8 @@ def policy_loss(
       behaviour_logp_BT: [B, T] log-probs of the policy that sampled the tokens; required when
         config.tis_cap is set (each token's clip loss is then weighted by
         min(π_old / π_behaviour, tis_cap)).
+      segment_ids_BT: [B, T] the sequence of each token when rows are packed with several
+        (seq-mean aggregation and GSPO's ratio then work per sequence, not per row), or None.
     Returns:
       LossTerms whose ``loss`` is the scalar to differentiate; metrics: pg_loss, the clip
       metrics of ``ppo_clip_loss``, the importance-weight metrics of ``truncated_is_weights``,
@@ -125,11 +128,12 @@ def policy_loss(
         ref_logp_BT=ref_logp_BT,
         entropy_BT=entropy_BT,
         behaviour_logp_BT=behaviour_logp_BT,
+        segment_ids_BT=segment_ids_BT,
     )
     check_scalar("policy_loss", "denominator", denominator)
     mode, L = config.loss_agg_mode, config.max_len
     if denominator is None:
-        denominator = loss_denominator(loss_mask_BT, mode, L)
+        denominator = loss_denominator(loss_mask_BT, mode, L, segment_ids_BT)
     is_weights, is_metrics = None, {}
     if config.tis_cap is not None:
         if behaviour_logp_BT is None:
@@ -150,6 +154,7 @@ def policy_loss(
         max_len=L,
         denominator=denominator,
         is_weights_BT=is_weights,
+        segment_ids_BT=segment_ids_BT,
     )
     total = pg.total
     metrics = dict(pg.metrics, **is_metrics, pg_loss=jax.lax.stop_gradient(pg.loss))
@@ -164,6 +169,7 @@ def policy_loss(
             loss_agg_mode=mode,
             max_len=L,
             denominator=denominator,
+            segment_ids_BT=segment_ids_BT,
         )
         total = total + config.kl_coef * kl.total
         metrics.update(kl.metrics)
@@ -171,7 +177,12 @@ def policy_loss(
         if entropy_BT is None:
             raise ValueError("policy_loss: config.entropy_coef != 0 needs entropy_BT")
         ent = entropy_loss(
-            entropy_BT, loss_mask_BT, loss_agg_mode=mode, max_len=L, denominator=denominator
+            entropy_BT,
+            loss_mask_BT,
+            loss_agg_mode=mode,
+            max_len=L,
+            denominator=denominator,
+            segment_ids_BT=segment_ids_BT,
         )
         total = total - config.entropy_coef * ent.total
         metrics.update(ent.metrics)

@@ -3,6 +3,8 @@
 Static settings come first and are bound with `functools.partial` by the trainer; the arrays are a
 micro-batch dict with "tokens", "positions", "attention", "loss_mask", "advantages", "correct" and
 optional "old_logp" / "ref_logp" / "behaviour_logp" (actor), "old_values" / "returns" (critic).
+With `packed` (`train.packing`), rows hold several sequences, "attention" holds their segment ids
+and "correct" is per token; every per-sequence reduction then goes by segment.
 Each loss is a micro-batch's *sum* divided by the whole mini-batch's denominator
 (`actor_denominator`), so accumulating micro-batches gives the full mini-batch gradient exactly.
 """
@@ -58,8 +60,9 @@ def sequence_logprobs(
     entropy_grad: bool = False,
     *,
     attention: str = "auto",
+    packed: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """(log-probs, entropies) [B, T] of the tempered policy on packed sequences."""
+    """(log-probs, entropies) [B, T] of the tempered policy on right-padded (or packed) rows."""
     return policy.token_logprobs(
         model_cfg,
         params,
@@ -71,6 +74,7 @@ def sequence_logprobs(
         remat=remat,
         entropy_grad=entropy_grad,
         attention=attention,
+        packed=packed,
     )
 
 
@@ -85,6 +89,7 @@ def actor_loss(
     denom: jax.Array,
     *,
     attention: str = "auto",
+    packed: bool = False,
 ) -> tuple[jax.Array, dict]:
     """The policy loss (PPO clip / GSPO, KL, entropy) plus VAPO's NLL on correct responses."""
     logp, ent = sequence_logprobs(
@@ -95,7 +100,9 @@ def actor_loss(
         mb,
         entropy_grad=pcfg.entropy_coef > 0,
         attention=attention,
+        packed=packed,
     )
+    segments = mb["attention"] if packed else None
     # One update per rollout batch: the policy is still the behaviour one, and its own
     # log-probs (no gradient) are the old ones; this saves a forward pass.
     old_logp = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)
@@ -109,6 +116,7 @@ def actor_loss(
         entropy_BT=ent,
         denominator=denom,
         behaviour_logp_BT=mb.get("behaviour_logp"),
+        segment_ids_BT=segments,
     )
     loss = terms.loss
     metrics = dict(terms.metrics)
@@ -116,27 +124,48 @@ def actor_loss(
     # shares add up to "loss", they do not average, so it is not reported twice.
     metrics.pop("pg_loss", None)
     if nll_coef:
-        pos = mb["loss_mask"] * mb["correct"][:, None]
+        correct = mb["correct"] if packed else mb["correct"][:, None]
         nll, _ = algorithms.aggregate(
-            -logp, pos, pcfg.loss_agg_mode, max_len=pcfg.max_len, denominator=denom
+            -logp,
+            mb["loss_mask"] * correct,
+            pcfg.loss_agg_mode,
+            max_len=pcfg.max_len,
+            denominator=denom,
+            segment_ids_BT=segments,
         )
         loss = loss + nll_coef * nll / jnp.maximum(denom, 1.0)
     metrics["entropy"] = algorithms.masked_mean(ent, mb["loss_mask"])
     return loss, metrics
 
 
-def actor_denominator(pcfg: algorithms.PolicyLossConfig, batch_M: dict) -> jax.Array:
+def actor_denominator(
+    pcfg: algorithms.PolicyLossConfig, batch_M: dict, packed: bool = False
+) -> jax.Array:
     """The mini-batch's loss denominator (by the aggregation mode), over all micro-batches."""
-    mask = batch_M["loss_mask"].reshape(-1, batch_M["loss_mask"].shape[-1])
-    return algorithms.loss_denominator(mask, pcfg.loss_agg_mode, pcfg.max_len)
+    rows = lambda x: x.reshape(-1, x.shape[-1])
+    segments = rows(batch_M["attention"]) if packed else None
+    return algorithms.loss_denominator(
+        rows(batch_M["loss_mask"]), pcfg.loss_agg_mode, pcfg.max_len, segments
+    )
 
 
 def token_values(
-    model_cfg: models.ModelConfig, critic_params, b: dict, *, attention: str = "auto"
+    model_cfg: models.ModelConfig,
+    critic_params,
+    b: dict,
+    *,
+    attention: str = "auto",
+    packed: bool = False,
 ) -> jax.Array:
     """The critic's value of every token [B, T]."""
     return policy.token_values(
-        model_cfg, critic_params, b["tokens"], b["positions"], b["attention"], attention=attention
+        model_cfg,
+        critic_params,
+        b["tokens"],
+        b["positions"],
+        b["attention"],
+        attention=attention,
+        packed=packed,
     )
 
 
@@ -148,10 +177,11 @@ def critic_loss(
     denom: jax.Array,
     *,
     attention: str = "auto",
+    packed: bool = False,
 ) -> tuple[jax.Array, dict]:
     """The clipped value loss on response tokens (token-mean over the mini-batch)."""
     terms = algorithms.value_loss(
-        token_values(model_cfg, critic_params, mb, attention=attention),
+        token_values(model_cfg, critic_params, mb, attention=attention, packed=packed),
         mb["old_values"],
         mb["returns"],
         mb["loss_mask"],

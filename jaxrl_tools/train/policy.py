@@ -1,7 +1,9 @@
 """The policy and critic as functions of packed sequences.
 
 A packed batch holds prompt + response tokens per row, right-padded: `tokens_BT`, `positions_BT`
-(0, 1, 2, ... on real tokens) and `attention_BT` (1 on real tokens). Per-token quantities are
+(0, 1, 2, ... on real tokens) and `attention_BT` (1 on real tokens). With `packed=True` a row
+holds several sequences back to back (`train.packing`): `attention_BT` numbers them (1, 2, ...)
+and the positions restart at each. Per-token quantities are
 aligned to the token they score: `logp_BT[b, t] = log pi(tokens[b, t] | tokens[b, <t])`, so the
 first column is always 0 and `loss_mask_BT` marks the same positions as the rollout's mask.
 """
@@ -35,6 +37,7 @@ def token_logprobs(
     remat: bool = False,
     entropy_grad: bool = False,
     attention: str = "auto",
+    packed: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-probs and entropies of each token under the policy, aligned to the tokens.
 
@@ -44,7 +47,8 @@ def token_logprobs(
     `chunked` (True / False) picks the path explicitly; both give the same numbers.
     `remat` recomputes each decoder layer in the backward pass (memory for compute). The
     entropy carries no gradient unless `entropy_grad` (an entropy bonus needs it).
-    `attention` picks the attention implementation (`models.attention.IMPLS`). The compute
+    `attention` picks the attention implementation (`models.attention.IMPLS`); `packed` rows hold
+    several sequences (module docstring). The compute
     dtype is the params' (pass the compute-dtype cast of master weights, `models.DTypePolicy`);
     logits, log-softmax and entropy are float32 whatever it is.
 
@@ -60,6 +64,7 @@ def token_logprobs(
         remat=remat,
         attention=attention,
         right_padded=True,  # packed batches are right-padded (module docstring)
+        packed=packed,
     )
     h, W = h_BTD[:, :-1], models.unembed(model_cfg, params)
     targets, mask = tokens_BT[:, 1:], loss_mask_BT[:, 1:]
@@ -104,6 +109,7 @@ def token_values(
     attention_BT: jax.Array,
     *,
     attention: str = "auto",
+    packed: bool = False,
 ) -> jax.Array:
     """V_t, the value of the state in which token t is chosen, aligned to the tokens (float32)."""
     h_BTD = models.hidden_states(
@@ -114,6 +120,7 @@ def token_values(
         positions=positions_BT,
         attention=attention,
         right_padded=True,
+        packed=packed,
     )
     head = critic_params["value_head"]
     v_BT = jnp.einsum("btd,d->bt", h_BTD.astype(jnp.float32), head["kernel"].astype(jnp.float32))

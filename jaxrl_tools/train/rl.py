@@ -12,6 +12,13 @@
   4. `ppo_epochs` x `num_mini_batches` actor (and critic) updates, each accumulating gradients
      over micro-batches exactly (`train.state.make_update`).
 
+Packing (`setup.pack`, `train.packing`): the batch's sequences are placed back to back in as few
+rows of the same width as hold them (rounded up to mini-batches x micro-batches); the forwards of
+step 2 and the updates of step 4 run on those rows, the advantages of step 3 on the padded
+layout (the estimators group by row), moved in and out by index. With one mini-batch the update
+equals the unpacked one (to float rounding); with several, mini-batches are drawn from packed
+rows.
+
 Mixed precision (`setup.dtypes`, a `models.DTypePolicy`): the train state holds the master weights
 and AdamW moments in `param` dtype; every forward and backward pass runs on the compute-dtype cast
 of the master weights, taken inside the jitted function, so gradients arrive in the master dtype
@@ -47,6 +54,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxrl_tools import algorithms, models, sharding
 from jaxrl_tools.config import AlgorithmSection, CriticSection, OptimSection
 from jaxrl_tools.train import lora, objectives, policy
+from jaxrl_tools.train.packing import plan_packing, take_tokens
 from jaxrl_tools.train.state import (
     create_train_state,
     make_optimizer,
@@ -74,6 +82,7 @@ class RLSetup:
         a `models.transformer.REMAT_POLICIES` name ("layer", "dots").
       dtypes: the policy's dtype policy (master weights, compute).
       attention: the attention implementation (`models.attention.IMPLS`).
+      pack: pack sequences back to back into the update's rows (module docstring).
       lora: train LoRA adapters on the frozen policy (`models.LoraConfig`), or None (full
         fine-tuning).
       lora_decode: "merged" (the engine gets base + scale * A @ B, merged once per update) or
@@ -91,6 +100,7 @@ class RLSetup:
     remat: bool | str = False
     dtypes: models.DTypePolicy = models.DTypePolicy()
     attention: str = "auto"
+    pack: bool = False
     lora: models.LoraConfig | None = None
     lora_decode: str = "merged"
     checkpoint_base: bool = False
@@ -109,14 +119,15 @@ def _select_micro(batch: dict, idx_N: jax.Array, micro_batch_size: int, micro_sh
     return out
 
 
-def _micro_mapped(fn: Callable, rows: int, micro_batch_size: int, micro_sharding) -> Callable:
+def _micro_mapped(fn: Callable, micro_batch_size: int, micro_sharding) -> Callable:
     """fn(params, batch) over [rows, ...] arrays, run as sequential micro-batches (`lax.map`), so
     a forward holds one micro-batch's activations; outputs are put back as [rows, ...]."""
-    num_micro = rows // micro_batch_size
-    if num_micro <= 1:
-        return fn
 
     def run(params, batch):
+        rows = next(iter(batch.values())).shape[0]
+        num_micro = rows // micro_batch_size
+        if num_micro <= 1:
+            return fn(params, batch)
         batch_M = {}
         for k, v in batch.items():
             v = v.reshape(num_micro, micro_batch_size, *v.shape[1:])
@@ -321,7 +332,12 @@ class RLTrainer:
         temperature = max(s.temperature, 1e-6)
         logprobs = _in_compute(
             functools.partial(
-                objectives.sequence_logprobs, mcfg, temperature, s.remat, attention=s.attention
+                objectives.sequence_logprobs,
+                mcfg,
+                temperature,
+                s.remat,
+                attention=s.attention,
+                packed=s.pack,
             ),
             s.dtypes,
         )
@@ -334,10 +350,11 @@ class RLTrainer:
                 s.remat,
                 self.algorithm.nll_coef,
                 attention=s.attention,
+                packed=s.pack,
             ),
             s.dtypes,
         )
-        actor_denom = functools.partial(objectives.actor_denominator, pcfg)
+        actor_denom = functools.partial(objectives.actor_denominator, pcfg, packed=s.pack)
         rows, micro, rep = self._rows_sh, self._micro_sh, self._replicated
         mbs = self.optim.micro_batch_size
 
@@ -348,8 +365,9 @@ class RLTrainer:
 
             return run
 
+        self._take = self._jit(take_tokens, in_shardings=(rows, rows), out_shardings=rows)
         self._logprobs = self._jit(
-            _micro_mapped(logprobs, self.rows, mbs, micro),
+            _micro_mapped(logprobs, mbs, micro),
             in_shardings=(self._policy_sh, rows),
             out_shardings=(rows, rows),
         )
@@ -364,7 +382,7 @@ class RLTrainer:
             )
             frozen_sh = (self._base_sh,)
             self._ref_logprobs = self._jit(
-                _micro_mapped(logprobs, self.rows, mbs, micro),
+                _micro_mapped(logprobs, mbs, micro),
                 in_shardings=(self._base_sh, rows),
                 out_shardings=(rows, rows),
             )
@@ -382,16 +400,23 @@ class RLTrainer:
         )
         if self.critic_state is not None:
             values = _in_compute(
-                functools.partial(objectives.token_values, mcfg, attention=s.attention), s.dtypes
+                functools.partial(
+                    objectives.token_values, mcfg, attention=s.attention, packed=s.pack
+                ),
+                s.dtypes,
             )
             critic_loss = _in_compute(
                 functools.partial(
-                    objectives.critic_loss, mcfg, self.critic.value_clip_eps, attention=s.attention
+                    objectives.critic_loss,
+                    mcfg,
+                    self.critic.value_clip_eps,
+                    attention=s.attention,
+                    packed=s.pack,
                 ),
                 s.dtypes,
             )
             self._values = self._jit(
-                _micro_mapped(values, self.rows, mbs, micro),
+                _micro_mapped(values, mbs, micro),
                 in_shardings=(self._critic_sh, rows),
                 out_shardings=rows,
             )
@@ -458,22 +483,44 @@ class RLTrainer:
         if batch.tokens_RT.shape[0] != self.rows:
             raise ValueError(f"batch has {batch.tokens_RT.shape[0]} rows, the trainer {self.rows}")
         t1 = time.perf_counter()
-        b = {
+        host = {
             "tokens": batch.tokens_RT,
             "positions": batch.positions_RT,
             "attention": batch.attention_RT,
             "loss_mask": batch.loss_mask_RT,
-            "correct": (batch.scores_R > 0).astype(np.float32),
         }
         if self.algorithm.tis_cap is not None:  # truncated IS against the sampler's log-probs
-            b["behaviour_logp"] = batch.behaviour_logp_RT
-        b = {k: self._place(v) for k, v in b.items()}
+            host["behaviour_logp"] = batch.behaviour_logp_RT
+        correct_R = (batch.scores_R > 0).astype(np.float32)
+        # The forwards and updates run on `b`'s rows; the estimators on the padded rows.
+        to_padded = to_packed = lambda x: x
+        if self.setup.pack:
+            o = self.optim
+            layout = plan_packing(
+                np.sum(batch.attention_RT > 0, axis=1),
+                batch.tokens_RT.shape[1],
+                multiple=o.num_mini_batches * o.micro_batch_size,
+            )
+            host = {k: layout.pack(v) for k, v in host.items()}
+            host["attention"] = layout.segments_PT
+            host["correct"] = layout.pack_rows(correct_R)
+            dst, src = self._place(layout.dst_RT), self._place(layout.src_PT)
+            to_padded = lambda x: self._take(x, dst)
+            to_packed = lambda x: self._take(x, src)
+            metrics["packing/rows"] = float(layout.packed_rows)
+            metrics["packing/fill"] = layout.fill_fraction
+        else:
+            host["correct"] = correct_R
+        b = {k: self._place(v) for k, v in host.items()}
         seqs = {k: b[k] for k in ("tokens", "positions", "attention", "loss_mask")}
         if not self.single_update:
             b["old_logp"], _ = self._logprobs(self._policy_params(), seqs)
         if self.ref_params is not None:
             b["ref_logp"], _ = self._ref_logprobs(self.ref_params, seqs)
-        adv_inputs = {"loss_mask_BT": b["loss_mask"], "scores_B": self._place(batch.scores_R)}
+        adv_inputs = {
+            "loss_mask_BT": self._place(batch.loss_mask_RT) if self.setup.pack else b["loss_mask"],
+            "scores_B": self._place(batch.scores_R),
+        }
         # Per-turn inputs (GiGPO, Kevin) and the greedy baseline (ReMax), where the estimator
         # reads them; a required one the batch lacks fails in compute_advantages, naming it.
         reads = algorithms.estimator_inputs(self.algorithm.adv_estimator)
@@ -488,13 +535,14 @@ class RLTrainer:
                 adv_inputs[key] = self._place(value)
         a = self.algorithm
         if a.kl_in_reward and self.ref_params is not None:
-            adv_inputs["kl_BT"] = (
+            adv_inputs["kl_BT"] = to_padded(
                 algorithms.kl_penalty(b["old_logp"], b["ref_logp"], a.kl_type) * b["loss_mask"]
             )
         if self.critic_state is not None:
             b["old_values"] = self._values(self.critic_state.params, seqs)
-            adv_inputs["values_BT"] = b["old_values"]
-        b["advantages"], b["returns"] = self._advantages(adv_inputs, batch.num_rows)
+            adv_inputs["values_BT"] = to_padded(b["old_values"])
+        advantages, returns = self._advantages(adv_inputs, batch.num_rows)
+        b["advantages"], b["returns"] = to_packed(advantages), to_packed(returns)
         metrics.update(self._update(b))
         if self.lora is not None:  # which weights the engine decodes with (see `params`)
             metrics["lora/merged_decode"] = float(self.setup.lora_decode == "merged")
@@ -522,14 +570,15 @@ class RLTrainer:
     def _update(self, batch: dict) -> dict[str, float]:
         o = self.optim
         n_mini = o.num_mini_batches
-        mini = self.rows // n_mini
+        rows = batch["tokens"].shape[0]  # packed: fewer than self.rows
+        mini = rows // n_mini
         rng = np.random.default_rng(int(self.state.step) + self.setup.seed)
         optional = ("old_logp", "ref_logp", "behaviour_logp")
         actor_keys = list(_ACTOR_KEYS) + [k for k in optional if k in batch]
         sums: dict[str, float] = {}
         count = 0
         for _ in range(o.ppo_epochs):
-            order = rng.permutation(self.rows)
+            order = rng.permutation(rows)
             for k in range(n_mini):
                 idx = order[k * mini : (k + 1) * mini].astype(np.int32)
                 idx = (

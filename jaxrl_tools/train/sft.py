@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_tools import algorithms, models, sharding
 from jaxrl_tools.train import policy
+from jaxrl_tools.train.packing import plan_packing
 from jaxrl_tools.train.state import (
     create_train_state,
     make_optimizer,
@@ -72,11 +73,12 @@ def make_sft_update(
     rules=None,
     dtypes: models.DTypePolicy | None = None,
     attention: str = "auto",
+    packed: bool = False,
 ):
     """The jitted SFT update: token-mean NLL over the loss mask, exact over micro-batches.
 
     With `dtypes`, the state holds master weights and the passes run on their compute-dtype cast
-    (as in the RL trainer).
+    (as in the RL trainer). `packed`: rows hold several traces (`train.packing`).
 
     With a mesh, the state keeps `state_shardings`, micro-batches come as `micro_sharding`, and
     the update is traced inside `use_mesh` so activation constraints apply.
@@ -93,6 +95,7 @@ def make_sft_update(
             mb["attention"],
             mb["loss_mask"],
             attention=attention,
+            packed=packed,
         )
         total, _ = algorithms.aggregate(-logp, mb["loss_mask"], "token-mean", denominator=denom)
         return total / jnp.maximum(denom, 1.0), {}
@@ -136,6 +139,7 @@ def train_sft(
     rules=None,
     dtypes: models.DTypePolicy | None = None,
     attention: str = "auto",
+    pack: bool = False,
 ) -> Any:
     """Trains `params` on segment traces for `epochs`; returns the new params.
 
@@ -145,6 +149,8 @@ def train_sft(
       mesh, rules: train sharded on this mesh (params by their logical axes, batches over
         the "batch" axis); None: one device.
       dtypes, attention: mixed precision and the attention implementation (`make_sft_update`).
+      pack: each step's `batch_size` traces go back to back into as few rows as hold them
+        (rounded up to micro-batches; `train.packing`): the same loss, less padding.
     """
     examples = [encode_segments(tokenizer, t, max_len) for t in traces]
     if not examples:
@@ -162,7 +168,9 @@ def train_sft(
         lr, total_steps=steps, warmup_steps=warmup_steps, schedule="cosine", min_lr_ratio=0.1
     )
     if mesh is None:
-        update = make_sft_update(model_cfg, optimizer, dtypes=dtypes, attention=attention)
+        update = make_sft_update(
+            model_cfg, optimizer, dtypes=dtypes, attention=attention, packed=pack
+        )
         state = create_train_state(params, optimizer, seed)
         place = jnp.asarray
     else:
@@ -181,6 +189,7 @@ def train_sft(
             rules=rules,
             dtypes=dtypes,
             attention=attention,
+            packed=pack,
         )
         place = lambda x: jax.device_put(x, micro_sh)
     rng = np.random.default_rng(seed)
@@ -188,11 +197,12 @@ def train_sft(
     for _ in range(epochs):
         order = rng.permutation(len(examples))[:n]
         for k in range(0, n, batch_size):
-            idx = order[k : k + batch_size]
-            mb = {
-                key: place(v[idx].reshape(batch_size // micro, micro, length))
-                for key, v in data.items()
-            }
+            rows = {key: v[order[k : k + batch_size]] for key, v in data.items()}
+            if pack:
+                layout = plan_packing(rows["attention"].sum(1), length, multiple=micro)
+                rows = {key: layout.pack(v) for key, v in rows.items()}
+                rows["attention"] = layout.segments_PT
+            mb = {key: place(v.reshape(-1, micro, length)) for key, v in rows.items()}
             state, metrics = update(state, mb)
             step += 1
             if on_step is not None:

@@ -19,6 +19,7 @@ GPU (benchmarks/gpu.sh):           python benchmarks/bench_utilisation.py --dtyp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import os
@@ -32,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roofline import Roofline  # noqa: E402
+from shapes import CONFIG_JSON  # noqa: E402
 
 from jaxrl_tools import models  # noqa: E402
 from jaxrl_tools.config import AlgorithmSection  # noqa: E402
@@ -40,19 +42,7 @@ from jaxrl_tools.rollout.sampling import SamplingParams  # noqa: E402
 from jaxrl_tools.train import objectives  # noqa: E402
 from jaxrl_tools.train.state import create_train_state, make_optimizer, make_update  # noqa: E402
 
-QWEN25_05B = dict(
-    model_type="qwen2",
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    head_dim=64,
-    rope_theta=1e6,
-    tie_word_embeddings=True,
-    attention_bias=True,
-)
+QWEN25_05B = models.ModelConfig.from_hf(CONFIG_JSON["qwen2.5-0.5b"])
 
 
 def matmul_params(cfg: models.ModelConfig, params) -> int:
@@ -143,7 +133,7 @@ def main():
     dtype = jnp.dtype(args.dtype)
     roof = Roofline.measure(dtype)
     print(roof.describe(), f"({args.dtype}); load {'/'.join(f'{x:.1f}' for x in os.getloadavg())}")
-    cfg = models.ModelConfig(**{**QWEN25_05B, "num_hidden_layers": args.layers})
+    cfg = dataclasses.replace(QWEN25_05B, num_hidden_layers=args.layers)
     params = models.init_params(cfg, jax.random.key(0))
     dtypes = models.DTypePolicy(param="float32", compute=args.dtype, cache=args.dtype)
     n_all = sum(x.size for x in jax.tree.leaves(params))

@@ -39,6 +39,10 @@ RECIPES = {
     "deepretrieval_search": "qwen2.5-3b",
     "deepretrieval_sql": "qwen2.5-3b",
     "torl": "qwen2.5-1.5b",
+    "refine_kevin": "qwen2.5-7b",
+    "sokoban_gigpo": "qwen2.5-1.5b",
+    "sokoban_starpo": "qwen2.5-0.5b",
+    "frozenlake_grpo": "qwen2.5-0.5b",
 }
 
 

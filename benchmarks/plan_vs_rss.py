@@ -65,7 +65,7 @@ def main():
     ap.add_argument("--micro", type=int, default=2)
     args = ap.parse_args()
 
-    cfg = models.ModelConfig(**QWEN25_05B)
+    cfg = QWEN25_05B
     dtypes = models.DTypePolicy(param="float32", compute=args.compute)
     M, b, T = args.seqs // args.micro, args.micro, args.seq_len
     mesh = sharding.make_mesh((1, 1, 1))

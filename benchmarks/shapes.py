@@ -45,6 +45,16 @@ CONFIG_JSON = {
         num_key_value_heads=2,
         tie_word_embeddings=True,
     ),
+    "qwen2.5-0.5b": dict(
+        QWEN25,
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
     "llama-3.1-8b": dict(
         model_type="llama",
         vocab_size=128256,

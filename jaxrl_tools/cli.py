@@ -85,6 +85,8 @@ def _load(args):
 
 
 def _dispatch(args, cfg) -> int | None:
+    if args.command in ("demo", "train", "sft", "eval", "serve"):
+        run.use_compile_cache(cfg)
     if getattr(args, "smoke", False):  # runs/smoke/<run_name> is scratch: start it afresh
         smoke.clear_outputs(cfg)
     if args.command == "check":

@@ -573,6 +573,9 @@ class TrainerSection:
     # One-step off-policy: the next batch is sampled (with the weights before this update) while
     # this one trains; staleness <= 1, corrected by algorithm.tis_cap. One process only.
     async_rollouts: bool = False
+    # jax's persistent compilation cache (every compile over a second): a second run of the same
+    # programs loads them instead of compiling; null = off. JAX_COMPILATION_CACHE_DIR wins.
+    compile_cache_dir: str | None = "runs/xla_cache"
 
     def __post_init__(self):
         _check(self.steps >= 0, "trainer.steps", "must be >= 0")

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,18 @@ from jaxrl_tools.train.signals import RunInterrupted, StopOnSignal
 log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------- pieces
+
+
+def use_compile_cache(cfg: RunConfig) -> str | None:
+    """Points jax's persistent compilation cache at `trainer.compile_cache_dir` (unless the
+    JAX_COMPILATION_CACHE_DIR environment variable names one, or the field is null), before
+    anything compiles; returns the folder in use."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    folder = cfg.trainer.compile_cache_dir
+    if folder is not None:
+        jax.config.update("jax_compilation_cache_dir", folder)
+    return folder
 
 
 def make_mesh(cfg: RunConfig):

@@ -36,7 +36,6 @@ class Packing:
       src_PT: per packed token, its flat index in the padded batch (R * T on padding).
       dst_RT: per padded token, its flat index in the packed batch (P * T on padding).
       segments_PT: int32 segment ids: 1, 2, ... per packed row, 0 on padding.
-      row_of_N, offset_N: the packed row and offset of each padded row that holds tokens.
     """
 
     rows: int
@@ -45,8 +44,6 @@ class Packing:
     src_PT: np.ndarray
     dst_RT: np.ndarray
     segments_PT: np.ndarray
-    row_of_N: np.ndarray
-    offset_N: np.ndarray
 
     def pack(self, x_RT, fill=0):
         """A per-token [R, T] array in the packed layout, [P, T] (`fill` on padding)."""
@@ -82,17 +79,18 @@ def plan_packing(lengths_R, width: int, *, multiple: int = 1) -> Packing:
         r = int(np.argmax(lengths > width))
         raise ValueError(f"plan_packing: row {r} has {lengths[r]} tokens, more than width {width}")
     order = sorted(np.flatnonzero(lengths > 0), key=lambda r: (-lengths[r], r))
-    used: list[int] = []  # tokens placed in each packed row
+    used = np.zeros(max(1, R), np.int64)  # tokens placed in each packed row so far
+    n_used = 0
     row_of = np.full(R, -1, np.int64)
     offset = np.zeros(R, np.int64)
     for r in order:
-        n = int(lengths[r])
-        p = next((i for i, u in enumerate(used) if u + n <= width), len(used))
-        if p == len(used):
-            used.append(0)
+        n = lengths[r]
+        room = np.flatnonzero(used[:n_used] + n <= width)
+        p = room[0] if len(room) else n_used
+        n_used = max(n_used, p + 1)
         row_of[r], offset[r] = p, used[p]
         used[p] += n
-    P = max(multiple, -(-len(used) // multiple) * multiple)
+    P = max(multiple, -(-n_used // multiple) * multiple)
     src = np.full((P, width), R * width, np.int32)
     dst = np.full((R, width), P * width, np.int32)
     segments = np.zeros((P, width), np.int32)
@@ -103,5 +101,4 @@ def plan_packing(lengths_R, width: int, *, multiple: int = 1) -> Packing:
         src[p, o : o + n] = r * width + np.arange(n)
         dst[r, :n] = p * width + o + np.arange(n)
         segments[p, o : o + n] = seg_count[p]
-    kept = lengths > 0
-    return Packing(R, P, width, src, dst, segments, row_of[kept], offset[kept])
+    return Packing(R, P, width, src, dst, segments)

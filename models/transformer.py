@@ -179,10 +179,9 @@ def _rotate(x_BTNK, cos_BTK, sin_BTK):
 
 
 class Attention(nn.Module):
-    """Self-attention; `mask` = (q_pos_BT, kv_valid_BS, kv_lengths_B or None, segment_ids_BT or
-    None), see
-    `models.attention`. With a cache, the keys attended are the first kv_valid_BS.shape[1]
-    positions of each row (the live part), not the whole row."""
+    """Self-attention; `mask` = (q_pos_BT, kv_valid_BS, kv_lengths_B, segment_ids_BT), the last
+    two optional (None), see `models.attention`. With a cache, the keys attended are the first
+    kv_valid_BS.shape[1] positions of each row (the live part), not the whole row."""
 
     config: ModelConfig
     param_dtype: Any

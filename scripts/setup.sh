@@ -7,7 +7,7 @@
 # it pulls seqio -> TensorFlow (~2 GB) that training never imports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${VENV:-.venv}"  # CI builds a second, plain venv beside the test one (.ci/run)
+VENV="${VENV:-.venv}"  # CI: a plain venv in a temp dir, the test extras added after the demo
 if ! command -v bwrap >/dev/null 2>&1; then
   # bubblewrap isolates model-written code (tools/); Debian/Ubuntu package.
   (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 \

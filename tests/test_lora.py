@@ -23,7 +23,7 @@ from jaxrl_tools.rollout.engine import EngineCore
 from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.sharding import logical_to_spec
 from jaxrl_tools.train import objectives
-from jaxrl_tools.train.batch import make_batch, pack_trajectories
+from jaxrl_tools.train.batch import make_batch, pad_trajectories
 from jaxrl_tools.train.checkpoint import Checkpointer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,7 +111,7 @@ def test_merged_weights_equal_the_adapters_applied(tiny):
 def _grpo_micro_batch():
     """A packed GRPO micro-batch of the fixed trajectories, with group-normalised advantages."""
     trajs = fixed_trajectories()
-    b = {k: jnp.asarray(v) for k, v in pack_trajectories(trajs, pad_id=0, rows=8).items()}
+    b = {k: jnp.asarray(v) for k, v in pad_trajectories(trajs, pad_id=0, rows=8).items()}
     scores = jnp.asarray([1.0, 1, 0, 0, 1, 0, 0, 0])
     adv, _ = algorithms.compute_advantages(
         "grpo",

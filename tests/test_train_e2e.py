@@ -19,7 +19,7 @@ from jaxrl_tools.config_loader import config_from_dict
 from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.rollout import EngineCore, Sampler
 from jaxrl_tools.tools import ToolExecutor
-from jaxrl_tools.train.batch import make_batch, pack_trajectories, score_trajectories
+from jaxrl_tools.train.batch import make_batch, pad_trajectories, score_trajectories
 
 G = 4
 RECORDS = [
@@ -184,7 +184,7 @@ def test_objective_has_zero_gradient_at_masked_tokens(grpo):
     trainer, _, captured, _ = grpo
     b = {
         k: jnp.asarray(v)
-        for k, v in pack_trajectories(captured[-1], pad_id=0, rows=trainer.rl.rows).items()
+        for k, v in pad_trajectories(captured[-1], pad_id=0, rows=trainer.rl.rows).items()
     }
     logp, ent = trainer.rl._logprobs(trainer.rl.params, b)
     rng = np.random.default_rng(0)

@@ -12,7 +12,7 @@ from fakes import VOCAB, fixed_trajectories, tiny_model_config
 from jaxrl_tools import models, run
 from jaxrl_tools.config_loader import config_from_dict
 from jaxrl_tools.train import objectives, policy
-from jaxrl_tools.train.batch import make_batch, pack_trajectories
+from jaxrl_tools.train.batch import make_batch, pad_trajectories
 from jaxrl_tools.train.state import make_optimizer
 from jaxrl_tools.types import Batch
 
@@ -61,9 +61,9 @@ make_trainer = Trainer
 RECORDS = [{"prompt": "q", "ground_truth": "7"}] * 2
 
 
-def test_pack_aligns_tokens_and_masks():
+def test_pad_aligns_tokens_and_masks():
     trajs = fixed_trajectories()
-    b = pack_trajectories(trajs, pad_id=0, rows=8, length_multiple=16)
+    b = pad_trajectories(trajs, pad_id=0, rows=8, length_multiple=16)
     assert b["tokens"].shape == (8, 16)
     t = trajs[5]
     p, r = len(t.prompt_ids), len(t.response_ids)
@@ -72,11 +72,11 @@ def test_pack_aligns_tokens_and_masks():
     assert b["loss_mask"][5, :p].sum() == 0 and b["loss_mask"][5, p + r :].sum() == 0
     assert b["attention"][5].sum() == p + r
     with pytest.raises(ValueError, match="do not fit"):
-        pack_trajectories(trajs, pad_id=0, rows=4)
+        pad_trajectories(trajs, pad_id=0, rows=4)
 
 
 def _mean_logp(trainer, trajs, rows):
-    batch = {k: jnp.asarray(v) for k, v in pack_trajectories(trajs, pad_id=0, rows=rows).items()}
+    batch = {k: jnp.asarray(v) for k, v in pad_trajectories(trajs, pad_id=0, rows=rows).items()}
     logp, _ = trainer._logprobs(trainer.params, batch)
     per_seq = (logp * batch["loss_mask"]).sum(1) / batch["loss_mask"].sum(1)
     return np.asarray(per_seq)
@@ -139,7 +139,7 @@ def test_logprob_forward_runs_in_micro_batches_equal_to_one_batch():
     cfg = run_config()
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, micro_batch_size=2))
     trainer = make_trainer(cfg, trajs)
-    batch = {k: jnp.asarray(v) for k, v in pack_trajectories(trajs, pad_id=0, rows=8).items()}
+    batch = {k: jnp.asarray(v) for k, v in pad_trajectories(trajs, pad_id=0, rows=8).items()}
     logp_micro, ent_micro = trainer._logprobs(trainer.params, batch)
     one_batch = jax.jit(objectives.sequence_logprobs, static_argnums=(0, 1, 2))
     logp, ent = one_batch(trainer.model_cfg, 1.0, False, trainer.params, batch)
@@ -153,7 +153,7 @@ def test_chunked_and_plain_logprob_paths_agree_when_chosen_explicitly():
     trajs = fixed_trajectories()
     model_cfg = tiny_config()
     params = models.init_params(model_cfg, jax.random.key(0))
-    b = {k: jnp.asarray(v) for k, v in pack_trajectories(trajs, pad_id=0, rows=8).items()}
+    b = {k: jnp.asarray(v) for k, v in pad_trajectories(trajs, pad_id=0, rows=8).items()}
 
     def logprobs(params, chunked):
         return policy.token_logprobs(

@@ -1,4 +1,4 @@
-"""Trajectories -> one update's Batch: rewards, group filters, packing into fixed shapes.
+"""Trajectories -> one update's Batch: rewards, group filters, padding into fixed shapes.
 
 `make_batch` scores one round of trajectories; `collect_batch` samples rounds until the filters
 have kept a full batch (DAPO dynamic sampling) and adds ReMax's greedy baselines. Multi-turn
@@ -22,10 +22,10 @@ def _bucket(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
-def pack_trajectories(
+def pad_trajectories(
     trajectories: Sequence[Trajectory], *, pad_id: int, rows: int, length_multiple: int = 16
 ) -> dict[str, np.ndarray]:
-    """Packs trajectories into right-padded [rows, T] arrays aligned to tokens.
+    """Lays trajectories out as right-padded [rows, T] arrays aligned to tokens.
 
     Rows beyond the trajectories are all padding (mask 0). T is rounded up to `length_multiple`
     (few compiles).
@@ -123,7 +123,7 @@ def filter_groups(scores_N: np.ndarray, group_size: int, filters: FiltersSection
 def step_arrays(
     trajectories: Sequence[Trajectory], *, rows: int, length: int, step_multiple: int = 4
 ) -> dict[str, np.ndarray]:
-    """Per-turn advantage inputs of trajectories packed as by `pack_trajectories`.
+    """Per-turn advantage inputs of trajectories laid out as by `pad_trajectories`.
 
     Environment step k is the k-th model span whose text went to the environment (one followed
     by an observation span carrying a reward, or the last span when the environment ended the
@@ -177,8 +177,8 @@ def _batch(
     pad_id: int,
     baselines: np.ndarray | None = None,
 ) -> Batch:
-    """Packs kept trajectories (G consecutive ones per group) and their per-row inputs."""
-    arrays = pack_trajectories(trajectories, pad_id=pad_id, rows=rows)
+    """Pads kept trajectories (G consecutive ones per group) and their per-row inputs."""
+    arrays = pad_trajectories(trajectories, pad_id=pad_id, rows=rows)
     n = len(trajectories)
     scores_R = np.zeros(rows, np.float32)
     scores_R[:n] = scores
@@ -219,7 +219,7 @@ def make_batch(
     baselines: np.ndarray | None = None,
 ) -> Batch:
     """Scores trajectories (G consecutive ones per record), keeps the groups the filters keep,
-    and packs them into [rows, T] arrays; the rollout's statistics go in `Batch.metrics`.
+    and pads them into [rows, T] arrays; the rollout's statistics go in `Batch.metrics`.
     `baselines` ([len(records)], ReMax): each record's greedy-rollout reward, per row."""
     scores, parts = score_trajectories(reward, records, trajectories, group_size)
     keep_groups = filter_groups(scores, group_size, filters)

@@ -1,11 +1,11 @@
-"""The policy and critic as functions of packed sequences.
+"""The policy and critic as functions of token batches.
 
-A packed batch holds prompt + response tokens per row, right-padded: `tokens_BT`, `positions_BT`
+A batch holds prompt + response tokens per row, right-padded: `tokens_BT`, `positions_BT`
 (0, 1, 2, ... on real tokens) and `attention_BT` (1 on real tokens). With `packed=True` a row
 holds several sequences back to back (`train.packing`): `attention_BT` numbers them (1, 2, ...)
-and the positions restart at each. Per-token quantities are
-aligned to the token they score: `logp_BT[b, t] = log pi(tokens[b, t] | tokens[b, <t])`, so the
-first column is always 0 and `loss_mask_BT` marks the same positions as the rollout's mask.
+and the positions restart at each. Per-token quantities are aligned to the token they score:
+`logp_BT[b, t] = log pi(tokens[b, t] | tokens[b, <t])`, so the first column is always 0 and
+`loss_mask_BT` marks the same positions as the rollout's mask.
 """
 
 import jax

@@ -43,7 +43,7 @@ def encode_segments(
     return np.asarray(ids, np.int32), np.asarray(mask, np.float32)
 
 
-def pack_examples(
+def pad_examples(
     examples: Sequence[tuple[np.ndarray, np.ndarray]], *, pad_id: int, length: int
 ) -> dict[str, np.ndarray]:
     """Right-padded [N, length] arrays (tokens, positions, attention, loss_mask)."""
@@ -156,7 +156,7 @@ def train_sft(
     if not examples:
         raise ValueError("SFT needs at least one trace")
     length = -(-max(len(ids) for ids, _ in examples) // 16) * 16
-    data = pack_examples(examples, pad_id=tokenizer.pad_token_id or 0, length=length)
+    data = pad_examples(examples, pad_id=tokenizer.pad_token_id or 0, length=length)
     n = len(examples) - len(examples) % batch_size
     if n == 0:
         raise ValueError(f"sft.batch_size={batch_size} is larger than the {len(examples)} traces")

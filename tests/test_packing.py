@@ -54,16 +54,7 @@ def test_layout_places_every_token_once_and_round_trips():
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = models.ModelConfig(
-        model_type="qwen3",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
+    cfg = tiny_model_config()
     return cfg, models.init_params(cfg, jax.random.key(0))
 
 

@@ -32,6 +32,7 @@ _VALUE_OPTIONS = (
     "--out",
     "--step",
     "--baseline-reward",
+    "--baseline-estimator",
     "--batch",
     "--mesh",
     "--accelerator",
@@ -96,7 +97,11 @@ def _dispatch(args, cfg) -> int | None:
         print(f"jaxrl-tools check: {what} is ready to run (nothing was trained)")
         print(check.format_summary(summary))
     elif args.command == "demo":
-        run.demo(cfg, baseline_reward=args.baseline_reward)
+        run.demo(
+            cfg,
+            baseline_reward=args.baseline_reward,
+            baseline_estimator=args.baseline_estimator,
+        )
     elif args.command == "train":
         summary = run.train(cfg)
         print({k: v for k, v in summary["final_metrics"].items() if not k.startswith("time")})
@@ -220,6 +225,11 @@ def main(argv=None) -> int:
         "--baseline-reward",
         help="also run RL from the same SFT policy with only this reward, and compare "
         "(e.g. `--config otc_tool_math --baseline-reward math`: OTC vs plain GRPO)",
+    )
+    p.add_argument(
+        "--baseline-estimator",
+        help="also run RL from the same SFT policy with this advantage estimator, and compare "
+        "(e.g. `--config sokoban_gigpo_demo --baseline-estimator grpo`: GiGPO vs GRPO)",
     )
     p = command("train", "SFT (if enabled) then RL, with checkpoints; resumes a killed run")
     p.add_argument(

@@ -613,6 +613,7 @@ class SFTSection:
     max_traces: int | None = None  # use only the first N traces of train_files (null: all)
     tool_mix: float = 0.8  # fraction of tool-using traces among non-trivial problems
     easy_tool_mix: float = 0.0  # fraction of tool-using traces among easy problems
+    oracle_noise: float = 0.25  # grid games: chance an oracle move is another action
     pack: bool = False  # each batch's traces back to back in as few rows as fit (train.packing)
 
     def __post_init__(self):
@@ -627,6 +628,7 @@ class SFTSection:
         )
         _check(0 <= self.tool_mix <= 1, "sft.tool_mix", "must be in [0, 1]")
         _check(0 <= self.easy_tool_mix <= 1, "sft.easy_tool_mix", "must be in [0, 1]")
+        _check(0 <= self.oracle_noise <= 1, "sft.oracle_noise", "must be in [0, 1]")
 
 
 def _default_rewards() -> tuple[RewardSpec, ...]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxrl_tools import algorithms, check, data, envs, models, plan, sharding
 from jaxrl_tools.config import ConfigError, RewardSpec, RunConfig
-from jaxrl_tools.demo import report, task
+from jaxrl_tools.demo import grid_games, report, task
 from jaxrl_tools.eval import evaluate
 from jaxrl_tools.rewards import CompositeReward
 from jaxrl_tools.rollout import AsyncRollouts, Sampler, make_engine
@@ -261,6 +261,8 @@ def run_eval(cfg: RunConfig, sampler: Sampler, params, records, reward) -> dict:
 def run_sft(cfg: RunConfig, model_cfg, params, tokenizer, mesh=None):
     if cfg.sft.train_files:
         traces = data.load_sft_traces(cfg.sft.train_files)[: cfg.sft.max_traces]
+    elif cfg.env.name is not None:
+        traces = grid_games.sft_traces(cfg, tokenizer)
     else:
         traces = task.task_sft_traces(cfg.data, cfg.sft, cfg.rollout.protocol, tokenizer)
     log.info("SFT on %d traces for %d epochs", len(traces), cfg.sft.epochs)
@@ -561,31 +563,32 @@ def sft_only(cfg: RunConfig, out: str) -> Path:
     return Path(out)
 
 
-def demo(cfg: RunConfig, *, baseline_reward: str | None = None) -> dict:
+def demo(
+    cfg: RunConfig, *, baseline_reward: str | None = None, baseline_estimator: str | None = None
+) -> dict:
     """SFT cold start, held-out eval, GRPO with the sandbox in the loop, held-out eval, report.
 
-    With `baseline_reward` (e.g. "math"), a second RL run starts from the same SFT policy with
-    only that reward, and the report compares the two (OTC vs plain GRPO).
+    With `baseline_reward` (e.g. "math") or `baseline_estimator` (e.g. "grpo"), a second RL run
+    starts from the same SFT policy with only that reward or with that advantage estimator, for
+    the same steps on the same data, and the report compares the two (OTC vs plain GRPO, GiGPO
+    vs GRPO).
     """
     t0 = time.perf_counter()
-    summary = train(
-        cfg, evaluate_before=True, evaluate_after=True, keep_init_params=baseline_reward is not None
-    )
-    summary["reward_name"] = "+".join(r.name for r in cfg.reward)
-    summary["tools_desc"] = ", ".join(t.cls for t in cfg.tools) or "no tools"
-    r = cfg.rollout
-    summary["eval_desc"] = (
-        "greedy decoding"
-        if r.eval_temperature == 0
-        else f"sampling at temperature {r.eval_temperature:g}, {r.eval_group_size} per problem"
-    )
     out = Path(cfg.trainer.log_dir)
-    baseline = None
-    if baseline_reward is not None:
+    base_cfg = None
+    if baseline_reward is not None or baseline_estimator is not None:
         t = cfg.trainer
+        change: dict[str, Any] = {}
+        if baseline_reward is not None:
+            change["reward"] = (RewardSpec(baseline_reward, 1.0, {}),)
+        if baseline_estimator is not None:
+            change["algorithm"] = dataclasses.replace(
+                cfg.algorithm, adv_estimator=baseline_estimator
+            )
+        # Built (and so validated) before anything runs.
         base_cfg = dataclasses.replace(
             cfg,
-            reward=(RewardSpec(baseline_reward, 1.0, {}),),
+            **change,
             trainer=dataclasses.replace(
                 t,
                 log_dir=str(out / "baseline"),
@@ -593,12 +596,27 @@ def demo(cfg: RunConfig, *, baseline_reward: str | None = None) -> dict:
                 checkpoint_dir=str(Path(t.checkpoint_dir) / "baseline"),
             ),
         )
+    summary = train(
+        cfg, evaluate_before=True, evaluate_after=True, keep_init_params=base_cfg is not None
+    )
+    summary["reward_name"] = "+".join(r.name for r in cfg.reward)
+    summary["estimator"] = cfg.algorithm.adv_estimator
+    summary["tools_desc"] = ", ".join(t.cls for t in cfg.tools) or "no tools"
+    r = cfg.rollout
+    summary["eval_desc"] = (
+        "greedy decoding"
+        if r.eval_temperature == 0
+        else f"sampling at temperature {r.eval_temperature:g}, {r.eval_group_size} per problem"
+    )
+    baseline = None
+    if base_cfg is not None:
         # A resumed run has no copy of its SFT policy; SFT is deterministic, so the baseline
         # then redoes it (or resumes its own checkpoint).
         baseline = train(
             base_cfg, evaluate_after=True, init_params=summary.pop("init_params", None)
         )
-        baseline["reward_name"] = baseline_reward
+        baseline["reward_name"] = "+".join(r.name for r in base_cfg.reward)
+        baseline["estimator"] = base_cfg.algorithm.adv_estimator
     summary["wall_time_s"] = time.perf_counter() - t0
     text = report.demo_report(summary, baseline)
     if sharding.is_main_process():

@@ -169,7 +169,7 @@ def clear_outputs(cfg: RunConfig) -> None:
     root = SMOKE_ROOT.resolve()
     folders = [cfg.trainer.checkpoint_dir, cfg.trainer.log_dir]
     t = cfg.tokenizer
-    extra = len(tokenizer_texts(cfg.data))
+    extra = len(tokenizer_texts(cfg))
     if t.build and build_mismatch(
         cfg.tokenizer_path, vocab_size=t.vocab_size, seed=t.seed, n_extra_texts=extra
     ):

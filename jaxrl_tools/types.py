@@ -73,6 +73,7 @@ class Trajectory:
       env_rewards: rewards returned by the environment, one per env step.
       env_states: per env step, the state its action was taken in (`info["anchor_state"]`,
         GiGPO's anchor; None when the environment gives none).
+      env_success: whether the environment's last step reached the goal (`info["success"]`).
       response_text: decoded response (when a tokenizer was given).
       env_seed: the seed its environment episode was reset with (None without an environment;
         the G samples of a prompt share it, so GiGPO's anchor states line up).
@@ -90,6 +91,7 @@ class Trajectory:
     finish_reason: str = ""
     env_rewards: list[float] = dataclasses.field(default_factory=list)
     env_states: list = dataclasses.field(default_factory=list)
+    env_success: bool = False
     response_text: str = ""
     env_seed: int | None = None
 

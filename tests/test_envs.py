@@ -2,35 +2,14 @@
 turn protocol."""
 
 import asyncio
-import collections
+import copy
 import dataclasses
 
 import pytest
 
 from jaxrl_tools.envs import FrozenLake, RagenTurns, Refine, Sokoban, make_env, parse_turn, refine
 from jaxrl_tools.envs import sokoban as sk
-
-
-def solve(env, actions, max_states=200_000):
-    """Breadth-first search over an environment's states by replaying action sequences from the
-    seed; returns a shortest successful action list or None."""
-    seed = env.seed_for_test
-    start = env.reset(seed)
-    frontier = collections.deque([()])
-    seen = {start}
-    while frontier and len(seen) < max_states:
-        path = frontier.popleft()
-        for a in actions:
-            env.reset(seed)
-            res = None
-            for step in (*path, a):
-                res = env.step(step)
-            if res.info.get("success"):
-                return [*path, a]
-            if not res.done and res.observation not in seen:
-                seen.add(res.observation)
-                frontier.append((*path, a))
-    return None
+from jaxrl_tools.envs.oracle import shortest_plan
 
 
 # --------------------------------------------------------------------------- Sokoban
@@ -43,10 +22,9 @@ def test_sokoban_rooms_are_deterministic_and_solvable(seed):
     assert len(rows) == 6 and all(len(r.split(" ")) == 6 for r in rows)
     assert grid.count("P") + grid.count("S") == 1 and grid.count("X") == 1  # box off target
     assert all(c == "#" for c in rows[0].split(" ") + rows[-1].split(" "))
-    env.seed_for_test = seed
-    path = solve(env, Sokoban.actions)
+    path = shortest_plan(env)
     assert path is not None, grid
-    env.reset(seed)
+    assert env.render() == grid  # the search copies the room
     results = [env.step(a) for a in path]
     assert results[-1].done and results[-1].info["success"]
     assert results[-1].reward == pytest.approx(sk.STEP_PENALTY + sk.BOX_ON + sk.SOLVED)
@@ -89,10 +67,8 @@ def test_frozenlake_is_deterministic_and_rewards_the_goal():
     grid = env.reset(3)
     assert FrozenLake(size=4).reset(3) == grid
     assert grid.split("\n")[0].split(" ")[0] == "P" and grid.count("G") == 1
-    env.seed_for_test = 3
-    path = solve(env, FrozenLake.actions)
-    assert path is not None
-    env.reset(3)
+    path = shortest_plan(env)
+    assert path is not None and len(path) == 6  # start and goal are opposite corners
     results = [env.step(a) for a in path]
     assert [r.reward for r in results] == [0.0] * (len(path) - 1) + [1.0]
     assert results[-1].done and "√" in results[-1].observation
@@ -119,6 +95,18 @@ def test_slippery_frozenlake_replays_under_a_seed():
 
     assert play(5) == play(5)
     assert len({tuple(play(s)) for s in range(10)}) > 1
+
+
+def test_a_copied_lake_slips_as_the_original_and_alone():
+    env = FrozenLake(size=4, slippery=True, max_steps=20)
+    env.reset(5)
+    twin = copy.deepcopy(env)
+    moves = ["Down", "Right"] * 4
+    assert [env.step(a).observation for a in moves] == [twin.step(a).observation for a in moves]
+    env.reset(5)
+    twin2 = copy.deepcopy(env)
+    twin2.step("Down")
+    assert env.render() == FrozenLake(size=4).reset(5)  # the copy's move left it alone
 
 
 # --------------------------------------------------------------------------- RAGEN turns

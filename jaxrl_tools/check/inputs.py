@@ -131,7 +131,7 @@ def check_tokenizer(cfg: RunConfig) -> str:
     field = "tokenizer.path" if t.path is not None else "model.path (tokenizer.path is null)"
     if (path / "tokenizer.json").is_file():
         if cfg.model.path is None and t.build:
-            extra = len(task.tokenizer_texts(cfg.data))
+            extra = len(task.tokenizer_texts(cfg))
             mismatch = build_mismatch(
                 path, vocab_size=t.vocab_size, seed=t.seed, n_extra_texts=extra
             )
@@ -179,7 +179,7 @@ def _open_tokenizer(cfg: RunConfig):
             cfg.tokenizer_path,
             vocab_size=t.vocab_size,
             seed=t.seed,
-            texts=task.tokenizer_texts(cfg.data),
+            texts=task.tokenizer_texts(cfg),
         )
     return prompts.load_tokenizer(cfg.tokenizer_path)
 
@@ -282,6 +282,14 @@ def check_sft(cfg: RunConfig) -> int:
             raise ConfigError(f"sft.train_files: {e}") from None
         if s.max_traces is not None:
             n = min(n, s.max_traces)
+    elif cfg.env.name is not None:
+        if not issubclass(envs.env_class(cfg.env.name), envs.GridEnv):
+            raise ConfigError(
+                f"sft.enabled with generated traces needs a grid game (env.name in "
+                f"{[n for n in envs.env_names() if issubclass(envs.env_class(n), envs.GridEnv)]}),"
+                f" not {cfg.env.name!r}: give sft.train_files, or set sft.enabled=false"
+            )
+        n = s.num_traces
     elif d.task is not None:
         # function_calling traces answer in ToolRL's format, whatever the protocol
         if d.task == "tool_arithmetic" and cfg.rollout.protocol not in task.TRACE_PROTOCOLS:
@@ -293,8 +301,8 @@ def check_sft(cfg: RunConfig) -> int:
         n = s.num_traces
     else:
         raise ConfigError(
-            "sft.enabled=true needs sft.train_files (trace files) or data.task (generated "
-            "traces): give trace files, or set sft.enabled=false"
+            "sft.enabled=true needs sft.train_files (trace files), or data.task or env.name "
+            "(generated traces): give trace files, or set sft.enabled=false"
         )
     if n < s.batch_size:
         raise ConfigError(

@@ -24,9 +24,53 @@ def _productivity(m: dict) -> str:
     return f"{m['reward/accuracy'] / calls:.2f}" if calls else "n/a (no calls)"
 
 
+def _episode_row(name: str, m: dict) -> str:
+    return (
+        f"| {name} | {m['env/success_rate'] * 100:.1f}% | {m['reward/mean']:.3f} | "
+        f"{m['env/turns_mean']:.2f} |"
+    )
+
+
+def episodes_report(summary: dict, baseline: dict | None = None) -> str:
+    """A grid-game demo's report: success on held-out episodes (unseen seeds) before vs after
+    RL, and against a baseline estimator's run from the same SFT policy."""
+    b, a = summary["before"], summary["after"]
+    name = f"SFT + RL ({summary['estimator']})"
+    lines = [
+        f"# jaxrl-tools demo: {summary['run_name']}",
+        "",
+        f"Held-out episodes: {a['num_problems']} unseen seeds ({summary['eval_desc']}).",
+        "",
+        "| policy | success rate | episode score | turns per episode |",
+        "| --- | --- | --- | --- |",
+        _episode_row("SFT (before RL)", b),
+    ]
+    if baseline is not None:
+        lines.append(_episode_row(f"SFT + RL ({baseline['estimator']})", baseline["after"]))
+    lines += [
+        _episode_row(name, a),
+        "",
+        f"RL ({summary['estimator']}) changed the held-out success rate by "
+        f"{(a['env/success_rate'] - b['env/success_rate']) * 100:+.1f} points "
+        f"({b['env/success_rate'] * 100:.1f}% -> {a['env/success_rate'] * 100:.1f}%).",
+    ]
+    if baseline is not None:
+        base = baseline["after"]["env/success_rate"]
+        lines.append(
+            f"Against {baseline['estimator']} at the same budget from the same SFT policy: "
+            f"{(a['env/success_rate'] - base) * 100:+.1f} points ({base * 100:.1f}% -> "
+            f"{a['env/success_rate'] * 100:.1f}%)."
+        )
+    if summary.get("plot"):
+        lines += ["", f"Training curves: {summary['plot']}"]
+    return "\n".join(lines) + "\n"
+
+
 def demo_report(summary: dict, baseline: dict | None = None) -> str:
     """The demo's report: the SFT policy vs the RL policy (and a baseline RL run) on held-out
     problems."""
+    if "env/success_rate" in summary["after"]:
+        return episodes_report(summary, baseline)
     if "calls/exact_call_accuracy" in summary["after"] and baseline is None:
         return function_calling.demo_report(summary)
     b, a = summary["before"], summary["after"]

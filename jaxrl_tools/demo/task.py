@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl_tools.config import DataSection, SFTSection
-from jaxrl_tools.demo import function_calling
+from jaxrl_tools.demo import function_calling, grid_games
 from jaxrl_tools.rollout import declares_tools
 from jaxrl_tools.tools import PythonTool, get_parser
 
@@ -305,11 +305,13 @@ def task_records(data: DataSection, protocol: str, split: str) -> list[dict]:
     return [p.to_record(tools=tools) for p in make_problems(n, seed=seed, difficulty=levels)]
 
 
-def tokenizer_texts(data: DataSection) -> list[str]:
-    """Text a tiny model's tokenizer is trained on besides its own corpus: the function-calling
-    task's declarations, requests and answers (so that a schema is tens of tokens, not
-    hundreds); none for the arithmetic task."""
-    return function_calling.tokenizer_texts() if data.task == "function_calling" else []
+def tokenizer_texts(cfg) -> list[str]:
+    """Text a tiny model's tokenizer is trained on besides its own corpus: a grid game's
+    prompts and turns, or the function-calling task's declarations, requests and answers (so
+    that a grid or a schema is tens of tokens, not hundreds); none for the arithmetic task."""
+    if cfg.env.name is not None:
+        return grid_games.tokenizer_texts(cfg.env)
+    return function_calling.tokenizer_texts() if cfg.data.task == "function_calling" else []
 
 
 def task_sft_traces(

@@ -8,6 +8,8 @@ Rendered as RAGEN does: `P` player, `_` frozen, `O` hole, `G` goal, `X` player i
 
 from __future__ import annotations
 
+import copy
+
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv, generate_random_map
 
 from jaxrl_tools.envs.base import GridEnv, StepResult, register_env
@@ -43,6 +45,14 @@ class FrozenLake(GridEnv):
         self._env.reset(seed=seed)
         self.steps = 0
         return self.render()
+
+    def __deepcopy__(self, memo):
+        """A copy that shares the map and transition table (they never change) and copies the
+        position and the slip generator (the oracle's search copies the lake per branch)."""
+        new = copy.copy(self)
+        new._env = copy.copy(self._env)
+        new._env._np_random = copy.deepcopy(self._env._np_random, memo)
+        return new
 
     @property
     def position(self) -> tuple[int, int]:

@@ -318,7 +318,9 @@ async def arun_rollouts(
             step = (await step) if inspect.isawaitable(step) else step
             obs_text, reward, is_done = step  # a tuple, or an envs.StepResult
             s.traj.env_rewards.append(float(reward))
-            s.traj.env_states.append(getattr(step, "info", {}).get("anchor_state"))
+            info = getattr(step, "info", {})
+            s.traj.env_states.append(info.get("anchor_state"))
+            s.traj.env_success = bool(info.get("success"))
             if is_done:
                 return ("finish", "done")
             obs, reward = continuation("user", [obs_text]), float(reward)
@@ -477,7 +479,7 @@ def _share_results(ready: list, running: dict[int, _Sample]) -> list:
 
 
 # What `run_calls` and `resolve` write into a trajectory besides the observation tokens.
-_TASK_FIELDS = ("tool_calls", "num_tool_calls", "env_rewards", "env_states")
+_TASK_FIELDS = ("tool_calls", "num_tool_calls", "env_rewards", "env_states", "env_success")
 
 
 async def _safe(coro):

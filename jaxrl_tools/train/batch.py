@@ -94,6 +94,10 @@ def rollout_metrics(trajectories: Sequence[Trajectory], scores: np.ndarray, part
     checker = next((name for name in CORRECTNESS_CHECKERS if name in parts), None)
     if checker is not None:  # a reward term that is an answer check gives the accuracy
         out["reward/accuracy"] = float(np.mean(np.asarray(parts[checker]) > 0))
+    turns = np.array([len(t.env_rewards) for t in trajectories], np.float32)
+    if turns.any():  # episodes of an environment
+        out["env/success_rate"] = float(np.mean([t.env_success for t in trajectories]))
+        out["env/turns_mean"] = float(turns.mean())
     finish: dict[str, int] = {}
     for t in trajectories:
         finish[t.finish_reason] = finish.get(t.finish_reason, 0) + 1

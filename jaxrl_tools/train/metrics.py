@@ -17,6 +17,7 @@ from jaxrl_tools.sharding import is_main_process
 PLOT_KEYS = (
     "reward/mean",
     "reward/accuracy",
+    "env/success_rate",
     "tools/calls_per_response",
     "tools/error_rate",
     "response/length_mean",
@@ -98,7 +99,7 @@ class MetricsLogger:
                 if key not in ("step", "time"):
                     self._tb.add_scalar(key, v, step)
         if self._bar is not None:
-            shown = {k.split("/")[-1]: f"{record[k]:.3g}" for k in PLOT_KEYS[:3] if k in record}
+            shown = {k.split("/")[-1]: f"{record[k]:.3g}" for k in PLOT_KEYS[:4] if k in record}
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1)
         return record

@@ -13,7 +13,7 @@ from jaxrl_tools import data, envs, models, prompts, sharding
 from jaxrl_tools.check.setup import build_tools, tools_schema
 from jaxrl_tools.config import ConfigError, RunConfig
 from jaxrl_tools.datasets import prepare
-from jaxrl_tools.demo import task
+from jaxrl_tools.demo import grid_games, task
 from jaxrl_tools.demo.tokenizer import build_mismatch, build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -283,11 +283,11 @@ def check_sft(cfg: RunConfig) -> int:
         if s.max_traces is not None:
             n = min(n, s.max_traces)
     elif cfg.env.name is not None:
-        if not issubclass(envs.env_class(cfg.env.name), envs.GridEnv):
+        if not grid_games.is_grid_game(cfg.env.name):
+            games = [n for n in envs.env_names() if grid_games.is_grid_game(n)]
             raise ConfigError(
-                f"sft.enabled with generated traces needs a grid game (env.name in "
-                f"{[n for n in envs.env_names() if issubclass(envs.env_class(n), envs.GridEnv)]}),"
-                f" not {cfg.env.name!r}: give sft.train_files, or set sft.enabled=false"
+                f"sft.enabled with generated traces needs a grid game (env.name in {games}), "
+                f"not {cfg.env.name!r}: give sft.train_files, or set sft.enabled=false"
             )
         n = s.num_traces
     elif d.task is not None:

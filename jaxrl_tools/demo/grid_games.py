@@ -13,10 +13,16 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from jaxrl_tools import envs
 from jaxrl_tools.envs import Episodes
 from jaxrl_tools.envs.oracle import shortest_plan
 
 THOUGHT = "Go to G around O."
+
+
+def is_grid_game(env_name: str) -> bool:
+    """Whether the oracle can play environment `env_name` (a `GridEnv`)."""
+    return issubclass(envs.env_class(env_name), envs.GridEnv)
 
 
 def turn_text(moves: Sequence[str]) -> str:

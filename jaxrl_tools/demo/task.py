@@ -310,7 +310,7 @@ def tokenizer_texts(cfg) -> list[str]:
     prompts and turns, or the function-calling task's declarations, requests and answers (so
     that a grid or a schema is tens of tokens, not hundreds); none for the arithmetic task."""
     if cfg.env.name is not None:
-        return grid_games.tokenizer_texts(cfg.env)
+        return grid_games.tokenizer_texts(cfg.env) if grid_games.is_grid_game(cfg.env.name) else []
     return function_calling.tokenizer_texts() if cfg.data.task == "function_calling" else []
 
 

@@ -335,11 +335,21 @@ class EnvSection:
     start at `seed + envs.EVAL_SEED_OFFSET`. Grid games (sokoban, frozenlake) are played in
     RAGEN turns (`<think>..</think><answer>..</answer>`).
 
-    Context: each episode is one sequence holding its whole history (`history: full`). Budget
-    (`context_budget`, prompt + response tokens): an episode whose next turn or observation
-    would pass it ends there (finish reason "budget"); nothing is cut from the middle and no
-    earlier turn is dropped; the turns played keep their rewards, and a turn cut mid-way gets
-    no environment step (step mask 0).
+    History (what the model sees each turn):
+    - `full`: each episode is one sequence holding its whole history. Budget (`context_budget`,
+      prompt + response tokens): an episode whose next turn or observation would pass it ends
+      there (finish reason "budget"); nothing is cut from the middle and no earlier turn is
+      dropped; the turns played keep their rewards, and a turn cut mid-way gets no environment
+      step (step mask 0).
+    - `last_k`: every turn is a fresh prompt: the instructions, the last `history_length`
+      (observation, answer) pairs and the current observation (GiGPO's history_length), so
+      long horizons (30-100 turns) cost a bounded prompt. Truncation: a window longer than
+      `rollout.max_prompt_len` drops its oldest pairs until it fits; an episode whose current
+      observation does not fit alone ends there ("budget"). Each turn is its own training row;
+      `rollout.max_response_len` and `context_budget` bound one turn.
+    - `state`: the same with no earlier turns (the current observation only: an MDP).
+    Windowed history needs an estimator whose advantage is one value per turn
+    (`algorithms.turn_level`): no critic, no token rewards.
     """
 
     name: str | None = None  # a registered environment (envs.env_names()); null = none
@@ -347,7 +357,8 @@ class EnvSection:
     max_turns: int = 5  # turns per episode (the environment ends the episode after these)
     max_actions_per_turn: int = 1  # grid games: actions taken from one answer (RAGEN)
     format_penalty: float = -0.1  # grid games: reward of a turn not in RAGEN's form
-    history: str = "full"  # what the model sees each turn; only "full" is built
+    history: str = "full"  # what the model sees each turn: full | last_k | state
+    history_length: int = 2  # last_k: earlier (observation, answer) pairs in each prompt
     context_budget: int | None = None  # prompt + response tokens per episode (null: engine's)
     seed: int = 0  # first training episode seed
     train_episodes: int = 2000  # distinct training seeds (repeated by the loader)
@@ -359,12 +370,7 @@ class EnvSection:
             return
         _check_choice(self.name, "env.name", envs.env_names())
         _check_choice(self.history, "env.history", ENV_HISTORY)
-        _check(
-            self.history == "full",
-            "env.history",
-            f"is {self.history!r}, which is not built yet: the rollout keeps each episode in "
-            "one sequence, so only 'full' history is supported",
-        )
+        _at_least(self, "env", 1, "history_length")
         _at_least(self, "env", 1, "max_turns", "max_actions_per_turn", "train_episodes")
         _at_least(self, "env", 1, "eval_episodes", "sandbox_workers")
         _check(
@@ -707,6 +713,15 @@ class RunConfig:
                 f"the KL into (it would be dropped); set kl_in_reward=false (KL in the loss) or "
                 f"use one of {takes}"
             )
+        if self.env.name is not None and self.env.history != "full":
+            _check(
+                algorithms.turn_level(est),
+                "algorithm.adv_estimator",
+                f"is {est!r}, which gives each token its own advantage; env.history="
+                f"{self.env.history!r} trains every turn as its own row, so it needs one of "
+                f"{[n for n in algorithms.list_advantage_estimators() if algorithms.turn_level(n)]}"
+                " (or env.history=full)",
+            )
         missing = set(algorithms.estimator_requirements(est)) - given
         if missing:
             need = sorted(
@@ -719,6 +734,14 @@ class RunConfig:
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} needs "
                 f"{' and '.join(need)}, which this run does not provide"
             )
+
+    @property
+    def update_rows(self) -> int:
+        """Sequences in one update: prompts x G; with windowed history (a row per turn),
+        x `env.max_turns`."""
+        rows = self.data.batch_size * self.rollout.group_size
+        windowed = self.env.name is not None and self.env.history != "full"
+        return rows * self.env.max_turns if windowed else rows
 
     @property
     def use_reference_model(self) -> bool:

@@ -424,7 +424,7 @@ def model_config(cfg) -> models.ModelConfig:
 def run_shapes(cfg) -> dict:
     """plan_memory's shape arguments for one RL step of the run."""
     r, o = cfg.rollout, cfg.optim
-    rows = cfg.data.batch_size * r.group_size // o.num_mini_batches
+    rows = cfg.update_rows // o.num_mini_batches
     prefill = max(16, 1 << (r.max_prompt_len - 1).bit_length())  # the engine's prompt bucket
     return dict(
         micro_batch_size=o.micro_batch_size,

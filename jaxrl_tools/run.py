@@ -164,7 +164,7 @@ def make_reward(cfg: RunConfig) -> CompositeReward:
 
 def make_trainer(cfg: RunConfig, model_cfg, params, mesh=None) -> RLTrainer:
     setup = RLSetup(
-        rows=cfg.data.batch_size * cfg.rollout.group_size,
+        rows=cfg.update_rows,
         group_size=cfg.rollout.group_size,
         temperature=cfg.rollout.temperature,
         max_response_len=cfg.rollout.max_response_len,
@@ -400,8 +400,8 @@ def train(
                 lambda: next(loader),
                 lambda recs, g, **kw: sampler(recs, g, params, **kw),
                 reward, cfg.algorithm.filters,
-                group_size=group_size, rows=trainer.rows, pad_id=pad_id,
-                greedy_baseline=greedy,
+                group_size=group_size, rows=cfg.data.batch_size * group_size, pad_id=pad_id,
+                greedy_baseline=greedy, turn_rows=trainer.rows,
             )  # fmt: skip
             return batch, time.perf_counter() - t0
 

@@ -77,6 +77,10 @@ class Trajectory:
       response_text: decoded response (when a tokenizer was given).
       env_seed: the seed its environment episode was reset with (None without an environment;
         the G samples of a prompt share it, so GiGPO's anchor states line up).
+      turns: with windowed history (`env.history` last_k / state), the episode's turns, each
+        a trajectory of its own (its windowed prompt, that turn's tokens): what is trained.
+        The episode itself then holds the first prompt and every turn's tokens back to back
+        (no observations), for rewards and statistics. None: the episode is one sequence.
     """
 
     prompt_index: int
@@ -94,6 +98,7 @@ class Trajectory:
     env_success: bool = False
     response_text: str = ""
     env_seed: int | None = None
+    turns: list[Trajectory] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -129,6 +134,13 @@ class Batch:
         rewards, which turns are real, state ids (equal ids = same anchor state within the
         batch) and each token's turn index (`train.batch.step_arrays`; None when not built).
       baseline_R: the greedy rollout's reward of each row's prompt (ReMax; None otherwise).
+
+    Windowed history (`Trajectory.turns`): the rows are turns, each trained on its own prompt;
+    the estimators see the episodes as [E, S] layouts of one entry per turn. `scores_R` is
+    then each turn's episode score, the step arrays and `baseline_R` are [E, S] / [E] over
+    episodes, `episode_scores_E` the episodes' scores, `num_episodes` the real ones, and
+    `turn_slot_R` the index e * S + k of row's turn in the [E, S] layout (-1 on padding);
+    `token_step_RT` is None.
     """
 
     tokens_RT: np.ndarray
@@ -144,6 +156,9 @@ class Batch:
     anchor_ids_RS: np.ndarray | None = None
     token_step_RT: np.ndarray | None = None
     baseline_R: np.ndarray | None = None
+    episode_scores_E: np.ndarray | None = None
+    num_episodes: int = 0
+    turn_slot_R: np.ndarray | None = None
 
 
 class Sampler(Protocol):

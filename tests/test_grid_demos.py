@@ -11,6 +11,7 @@ from jaxrl_tools.cli import main
 from jaxrl_tools.demo import grid_games
 from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.envs import Episodes, parse_turn
+from jaxrl_tools.envs.episodes import window_text
 from jaxrl_tools.envs.oracle import shortest_plan
 
 
@@ -48,6 +49,27 @@ def test_noisy_oracle_moves_off_its_plan():
     assert all(moves[0] != plan[0] and rest is None for moves, rest in firsts)
     moves, rest = grid_games.oracle_moves(env.env, None, rng, 0.0, 1)
     assert moves == plan[:1] and rest == plan[1:]
+
+
+@pytest.mark.parametrize("history,k", [("last_k", 2), ("state", 0)])
+def test_windowed_traces_are_the_rollouts_windows(history, k):
+    """With windowed history an oracle episode is one conversation a turn: the window the
+    rollout would show (the last k pairs of the full-history trace) and the oracle's turn."""
+    full = Episodes("sokoban", {}, max_turns=6)
+    windowed = Episodes("sokoban", {}, max_turns=6, history=history, history_length=2)
+    messages = grid_games.play(full, 4, random.Random(2), noise=0.3)
+    convs = grid_games.conversations(windowed, 4, random.Random(2), noise=0.3)
+    turns = [m["content"] for m in messages if m["role"] == "assistant"]
+    observations = [full.build().reset(4)] + [m["content"] for m in messages[2::2]]
+    intro = full.build().instructions()
+    assert len(convs) == len(turns) >= 2
+    for i, conv in enumerate(convs):
+        earlier = list(zip(observations, turns))[max(0, i - k) : i]
+        assert conv == [
+            {"role": "user", "content": window_text(intro, earlier, observations[i])},
+            {"role": "assistant", "content": turns[i]},
+        ]
+    assert convs[0][0]["content"] == messages[0]["content"] == full.prompt(4)
 
 
 def test_trace_segments_are_the_rollout_text_with_only_model_turns_trained(tok):
@@ -111,3 +133,43 @@ def test_gigpo_demo_against_grpo_smoke(tmp_path, capsys):
         assert f"| {row} | {m['env/success_rate'] * 100:.1f}% | {m['reward/mean']:.3f} |" in report
     assert "Against grpo at the same budget from the same SFT policy" in report
     assert (out / "ckpt" / "baseline" / "1").is_dir() and (out / "ckpt" / "1").is_dir()
+
+
+def test_windowed_frozenlake_demo_smoke(tmp_path, capsys):
+    """`demo --config frozenlake_demo env.history=state`, shrunk: oracle SFT on one window a
+    turn, a GRPO step on rows of turns, held-out success before and after."""
+    out = tmp_path / "run"
+    overrides = [
+        f"tokenizer.path={tmp_path / 'tok'}",
+        "tokenizer.vocab_size=400",
+        "model.tiny.hidden_size=32",
+        "model.tiny.intermediate_size=64",
+        "model.tiny.head_dim=8",
+        "env.history=state",
+        "data.batch_size=2",
+        "data.eval_batch_size=4",
+        "env.train_episodes=16",
+        "env.eval_episodes=4",
+        "env.max_turns=3",
+        "rollout.group_size=4",
+        "rollout.eval_group_size=1",
+        "rollout.slots=8",
+        "rollout.max_prompt_len=320",
+        "rollout.max_response_len=32",
+        "optim.micro_batch_size=8",
+        "optim.ppo_epochs=1",
+        "sft.num_traces=8",
+        "sft.epochs=1",
+        "sft.batch_size=8",
+        "sft.max_len=256",
+        "trainer.steps=1",
+        f"trainer.log_dir={out / 'logs'}",
+        f"trainer.checkpoint_dir={out / 'ckpt'}",
+    ]
+    assert main(["demo", "--config", "frozenlake_demo", *overrides]) == 0, capsys.readouterr().err
+    summary = json.loads((out / "logs" / "report.json").read_text())
+    for m in (summary["before"], summary["after"]):
+        assert m["num_problems"] == 4 and m["env/turns_mean"] <= 3
+    metrics = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").open()]
+    step = next(m for m in metrics if "actor/loss" in m)
+    assert "env/success_rate" in step and (out / "ckpt" / "1").is_dir()

@@ -48,7 +48,6 @@ def test_env_section_names_the_field_and_the_registered_envs():
         ({"name": "sokobn"}, "env.name='sokobn' is not one of ['frozenlake', 'refine', 'sokoban']"),
         ({"name": "sokoban", "kwargs": {"size": 4}}, "env.kwargs has unknown key 'size'"),
         ({"name": "refine", "kwargs": {"max_turns": 3}}, "unknown key 'max_turns'"),
-        ({"name": "frozenlake", "history": "last_k"}, "env.history is 'last_k', which is not"),
         ({"name": "frozenlake", "history": "window"}, "env.history='window' is not one of"),
         ({"name": "frozenlake", "max_turns": 0}, "env.max_turns must be >= 1"),
     ]
@@ -330,6 +329,76 @@ def test_kevin_turn_returns_end_to_end_match_numpy_loop(gamma, group_norm):
     )
     adv = trainer_advantages(cfg, batch)
     check_rows(adv, trajs, per_token(trajs, kevin_oracle(trajs, gamma, group_norm)))
+
+
+def windowed(trajs, rng):
+    """The scripted episodes as windowed history records them: every model span a turn of its
+    own, with a prompt of its own; the episode holds the turns' tokens back to back."""
+    out = []
+    for t in trajs:
+        ep = Trajectory(t.prompt_index, t.sample_index, t.prompt_ids, env_seed=t.env_seed)
+        ep.env_rewards, ep.env_states, ep.turns = t.env_rewards, t.env_states, []
+        for sp in (s for s in t.spans if s.kind == "model"):
+            toks = t.response_ids[sp.start : sp.end]
+            prompt = list(rng.integers(3, VOCAB, size=int(rng.integers(4, 9))))
+            ep.turns.append(
+                Trajectory(
+                    t.prompt_index,
+                    t.sample_index,
+                    prompt,
+                    toks,
+                    [1] * len(toks),
+                    [-1.0] * len(toks),
+                )
+            )
+            _add(ep, "model", toks)
+        out.append(ep)
+    return out
+
+
+@pytest.mark.parametrize("estimator", ["gigpo", "kevin", "grpo"])
+def test_windowed_turn_rows_get_their_episodes_turn_advantages(estimator):
+    """With windowed history every turn is a row of its own; each row's tokens get the
+    advantage the estimator gives that turn of its episode (the NumPy oracles above)."""
+    cfg = config_from_dict(
+        {
+            **cfg_dict(adv_estimator=estimator, gigpo_omega=0.7, turn_gamma=0.4),
+            "env": {**cfg_dict()["env"], "history": "last_k"},
+        }
+    )
+    assert cfg.update_rows == 2 * G * cfg.env.max_turns
+    episodes = Episodes.from_section(cfg.env)
+    records, trajs = scripted_batch(episodes, last_cut=True)
+    eps = windowed(trajs, np.random.default_rng(1))
+    reward = run.make_reward(cfg)
+    batch = make_batch(
+        records, eps, reward, cfg.algorithm.filters, group_size=G, rows=8, pad_id=0,
+        turn_rows=cfg.update_rows,
+    )  # fmt: skip
+    turns = [turn for ep in eps for turn in ep.turns]
+    assert batch.num_rows == len(turns) and batch.num_episodes == 8
+    scores = batch.episode_scores_E[:8]
+    np.testing.assert_allclose(scores, [sum(t.env_rewards) for t in trajs], rtol=1e-6)
+    if estimator == "gigpo":
+        per_turn = gigpo_oracle(eps, scores, 0.95, 0.7)
+    elif estimator == "kevin":
+        per_turn = kevin_oracle(eps, 0.4)
+    else:
+        ep = np.concatenate([norm(scores[i : i + G]) for i in range(0, 8, G)])
+        per_turn = [[ep[i]] * t.num_turns for i, t in enumerate(eps)]
+    adv = trainer_advantages(cfg, batch)
+    flat = sum(per_turn, [])
+    expected = [np.full(len(t.response_ids), a) for t, a in zip(turns, flat, strict=True)]
+    check_rows(adv, turns, expected)
+    assert not adv[len(turns) :].any()
+
+
+def test_windowed_history_refuses_per_token_estimators():
+    env = {**cfg_dict()["env"], "history": "state"}
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator is 'gae', which gives each"):
+        config_from_dict({**cfg_dict(adv_estimator="gae"), "env": env, "critic": {"enabled": True}})
+    with pytest.raises(ConfigError, match="env.history_length must be >= 1"):
+        config_from_dict({**cfg_dict(), "env": {**env, "history_length": 0}})
 
 
 def test_kevin_estimator_matches_numpy_loop_on_random_inputs():

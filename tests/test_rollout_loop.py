@@ -1,7 +1,9 @@
 """Agent loop: HF greedy parity without tools, scripted tool calls (budget, malformed calls,
-stop strings ending mid-token), RAGEN-style environment turns, decoding while a tool runs."""
+stop strings ending mid-token), RAGEN-style environment turns (one sequence, or a fresh
+windowed prompt a turn), decoding while a tool runs."""
 
 import asyncio
+import dataclasses
 import time
 
 import jax
@@ -15,6 +17,7 @@ from jaxrl_tools import models
 from jaxrl_tools.config import RolloutSection
 from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.envs import Episodes, FrozenLake, RagenTurns
+from jaxrl_tools.envs.episodes import window_text
 from jaxrl_tools.prompts import chat_continuation
 from jaxrl_tools.rollout import BUDGET_NOTICE, RolloutLimits, Sampler, run_rollouts
 from jaxrl_tools.rollout.engine import EngineCore
@@ -474,3 +477,53 @@ def test_sampler_plays_env_episodes_with_group_seeds_and_a_context_budget(tiny, 
     assert len(t.prompt_ids) + len(t.response_ids) == P + L
     with pytest.raises(ValueError, match="has no 'env_seed'"):
         sampler([{"prompt": "hi"}], 1, params)
+
+
+@pytest.mark.parametrize("history", ["last_k", "state"])
+def test_sampler_plays_windowed_history_turn_by_turn(tiny, tok, history):
+    """Every turn is a fresh prompt: the instructions, the last k (observation, answer) pairs
+    (none for `state`) and the current observation, as a replay of the env shows them."""
+    text = "<think>go</think><answer>Right</answer>"
+    eng, params = _engine(tiny, tok, [text + "<|im_end|>"] * 2)
+    settings = RolloutSection(
+        protocol="none", max_prompt_len=512, max_response_len=64, chunk_size=8, slots=2
+    )
+    episodes = Episodes("frozenlake", {"size": 4}, max_turns=3, history=history, history_length=1)
+    sampler = Sampler(eng, tok, None, settings, episodes=episodes)
+    records = episodes.records([8, 5])
+    trajs = sampler(records, 2, params, temperature=0.0)
+    encode = lambda msg: sampler.encode_prompt({"prompt": msg})  # noqa: E731
+    turn_ids = _enc(tok, text + "<|im_end|>")
+    # seed 8: no hole on the way, the turn limit ends it; seed 5: a hole after one move
+    assert [len(t.turns) for t in trajs] == [3, 3, 1, 1]
+    for t in trajs:
+        seed = (8, 5)[t.prompt_index]
+        env = episodes.build()
+        observations, rewards = [env.reset(seed)], []
+        for _ in t.turns:
+            res = env.step(text)
+            observations.append(res.observation)
+            rewards.append(res.reward)
+        intro = env.instructions()
+        k = 1 if history == "last_k" else 0
+        for i, turn in enumerate(t.turns):
+            earlier = [(o, text) for o in observations[max(0, i - k) : i]]
+            assert turn.prompt_ids == encode(window_text(intro, earlier, observations[i]))
+            assert turn.response_ids == turn_ids and turn.loss_mask == [1] * len(turn_ids)
+        assert (
+            t.turns[0].prompt_ids
+            == t.prompt_ids
+            == sampler.encode_prompt(records[0 if seed == 8 else 1])
+        )
+        assert t.env_rewards == rewards and t.finish_reason == "done"
+        assert t.env_states[0] == FrozenLake(size=4).reset(seed)
+        assert t.response_ids == turn_ids * len(t.turns) and t.num_turns == len(t.turns)
+    # Truncation: a window over max_prompt_len drops its oldest pairs until it fits.
+    if history == "last_k":
+        long = Episodes("frozenlake", {"size": 4}, max_turns=3, history="last_k", history_length=2)
+        (full,) = Sampler(eng, tok, None, settings, episodes=long)(records[:1], 1, params)
+        third = full.turns[2].prompt_ids  # two earlier pairs fit in 512 tokens
+        tight = dataclasses.replace(settings, max_prompt_len=len(third) - 1)
+        (cut,) = Sampler(eng, tok, None, tight, episodes=long)(records[:1], 1, params)
+        assert cut.turns[2].prompt_ids == trajs[0].turns[2].prompt_ids  # one pair, as k = 1
+        assert [t.prompt_ids for t in cut.turns[:2]] == [t.prompt_ids for t in full.turns[:2]]

@@ -86,6 +86,7 @@ from jaxrl_tools.algorithms.registry import (
     list_critic_estimators,
     needs_critic,
     register_advantage_estimator,
+    turn_level,
     uses_group_baseline,
 )
 
@@ -133,6 +134,7 @@ __all__ = [
     "target_logprobs",
     "token_entropy",
     "truncated_is_weights",
+    "turn_level",
     "value_loss",
     "verl_loss_denominator",
 ]

@@ -30,6 +30,7 @@ f32 = jnp.float32
     "gigpo",
     requires=("step_rewards_BS", "step_mask_BS", "anchor_ids_BS", "token_step_BT"),
     group_baseline=True,
+    turn_level=True,
 )
 def gigpo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[jax.Array, jax.Array]:
     """GiGPO: A = A^E + ω·A^S; A^S normalises discounted step returns within anchor-state groups."""

@@ -40,7 +40,7 @@ from jaxrl_tools.algorithms.registry import register_advantage_estimator
 f32 = jnp.float32
 
 
-@register_advantage_estimator("grpo", group_baseline=True)
+@register_advantage_estimator("grpo", group_baseline=True, turn_level=True)
 def grpo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[jax.Array, jax.Array]:
     """GRPO: (s − μ_group)/(σ_group + eps) (σ only if ``config.norm_by_std``) on model tokens."""
     check_inputs("grpo", inputs, "scores_B")
@@ -49,7 +49,7 @@ def grpo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[jax.Array, j
     return a, a
 
 
-@register_advantage_estimator("drgrpo", group_baseline=True)
+@register_advantage_estimator("drgrpo", group_baseline=True, turn_level=True)
 def drgrpo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[jax.Array, jax.Array]:
     """Dr. GRPO: s − μ_group on model tokens (pair with loss_agg seq-mean-token-sum-norm)."""
     check_inputs("drgrpo", inputs, "scores_B")
@@ -57,7 +57,7 @@ def drgrpo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[jax.Array,
     return a, a
 
 
-@register_advantage_estimator("rloo", group_baseline=True)
+@register_advantage_estimator("rloo", group_baseline=True, turn_level=True)
 def rloo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[jax.Array, jax.Array]:
     """RLOO: s_i − mean_{j≠i} s_j (a group of one keeps s_i)."""
     check_inputs("rloo", inputs, "scores_B")

@@ -14,6 +14,7 @@ _ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
 _REQUIREMENTS: dict[str, tuple[str, ...]] = {}
 _OPTIONAL: dict[str, tuple[str, ...]] = {}
 _GROUP_BASELINE: set[str] = set()
+_TURN_LEVEL: set[str] = set()
 
 
 def register_advantage_estimator(
@@ -21,6 +22,7 @@ def register_advantage_estimator(
     requires: Sequence[str] = (),
     optional: Sequence[str] = (),
     group_baseline: bool = False,
+    turn_level: bool = False,
 ) -> Callable[[Callable], Callable]:
     """Decorator: register ``fn(inputs: AdvantageInputs, config: AdvantageConfig)`` as ``name``.
 
@@ -32,6 +34,9 @@ def register_advantage_estimator(
         can be folded into); others are ignored.
       group_baseline: its baseline is the prompt's own group of responses (a group of one, or
         of identical greedy responses, gets zero advantages).
+      turn_level: every model token of one turn gets the same advantage, a function of its
+        row's scalars and per-turn inputs only (no token positions, no token rewards): it
+        can run on one entry per turn (windowed history, `train.batch`).
     """
     if isinstance(requires, str) or not all(isinstance(f, str) for f in requires):
         raise ValueError(
@@ -47,6 +52,8 @@ def register_advantage_estimator(
         _OPTIONAL[name] = tuple(optional)
         if group_baseline:
             _GROUP_BASELINE.add(name)
+        if turn_level:
+            _TURN_LEVEL.add(name)
         return fn
 
     return deco
@@ -93,3 +100,10 @@ def needs_critic(name: str) -> bool:
 def list_critic_estimators() -> list[str]:
     """Sorted names of the registered estimators that need a critic."""
     return sorted(n for n, req in _REQUIREMENTS.items() if CRITIC_FIELD in req)
+
+
+def turn_level(name: str) -> bool:
+    """Whether estimator `name` gives every token of a turn one advantage (its registration's
+    `turn_level`)."""
+    get_advantage_estimator(name)
+    return name in _TURN_LEVEL

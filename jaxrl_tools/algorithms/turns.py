@@ -27,7 +27,10 @@ f32 = jnp.float32
 
 
 @register_advantage_estimator(
-    "kevin", requires=("step_rewards_BS", "step_mask_BS", "token_step_BT"), group_baseline=True
+    "kevin",
+    requires=("step_rewards_BS", "step_mask_BS", "token_step_BT"),
+    group_baseline=True,
+    turn_level=True,
 )
 def kevin(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[jax.Array, jax.Array]:
     """Kevin: discounted per-turn returns, group-normalised over all turns, on their tokens."""

@@ -155,7 +155,7 @@ def preflight(cfg: RunConfig, *, needs_eval: bool = False) -> dict[str, Any]:
         )
 
     r, a, o, d = cfg.rollout, cfg.algorithm, cfg.optim, cfg.data
-    rows = d.batch_size * r.group_size
+    rows = cfg.update_rows
     micro_per_mini = rows // o.num_mini_batches // o.micro_batch_size
     kl = f"KL {a.kl_type} x {a.kl_coef:g}" + (" in the reward" if a.kl_in_reward else "")
     s = cfg.sft
@@ -177,7 +177,9 @@ def preflight(cfg: RunConfig, *, needs_eval: bool = False) -> dict[str, Any]:
         "(data x fsdp x tensor)"
         + ("" if r.mesh is None else f", decode on {r.mesh}")
         + (", rollouts one step ahead" if cfg.trainer.async_rollouts else ""),
-        "batch": f"{d.batch_size} prompts x {r.group_size} samples = {rows} sequences per step: "
+        "batch": f"{d.batch_size} prompts x {r.group_size} samples"
+        + ("" if rows == d.batch_size * r.group_size else f" x {cfg.env.max_turns} turns")
+        + f" = {rows} sequences per step: "
         f"{o.num_mini_batches} mini-batch(es) x {micro_per_mini} micro-batch(es) of "
         f"{o.micro_batch_size}, {o.ppo_epochs} epoch(s)",
         "algorithm": f"{a.adv_estimator}, {a.policy_loss} (clip {a.clip_eps_low:g}/"

@@ -170,7 +170,10 @@ def check_batch(cfg: RunConfig, mesh_shape: tuple[int, int, int]) -> None:
     """Each RL step's sequences split into mini-batches of micro-batches, and over the devices
     of the mesh's batch axes."""
     o, d, r = cfg.optim, cfg.data, cfg.rollout
-    rows = d.batch_size * r.group_size
+    rows = cfg.update_rows
+    rows_name, factors = "data.batch_size x rollout.group_size", f"{d.batch_size} x {r.group_size}"
+    if rows != d.batch_size * r.group_size:  # windowed history: a row per turn
+        rows_name, factors = f"{rows_name} x env.max_turns", f"{factors} x {cfg.env.max_turns}"
     split = o.num_mini_batches * o.micro_batch_size
     if rows % split:
         if rows % o.num_mini_batches == 0:
@@ -179,8 +182,8 @@ def check_batch(cfg: RunConfig, mesh_shape: tuple[int, int, int]) -> None:
         else:
             fix = f"e.g. optim.num_mini_batches={_largest_divisor(rows, o.num_mini_batches)}"
         raise ConfigError(
-            f"data.batch_size x rollout.group_size = {d.batch_size} x {r.group_size} = {rows} "
-            f"sequences do not split into optim.num_mini_batches x optim.micro_batch_size = "
+            f"{rows_name} = {factors} = {rows} sequences do not split into "
+            f"optim.num_mini_batches x optim.micro_batch_size = "
             f"{o.num_mini_batches} x {o.micro_batch_size}: make {rows} a multiple of {split}, "
             f"{fix}"
         )
@@ -189,7 +192,7 @@ def check_batch(cfg: RunConfig, mesh_shape: tuple[int, int, int]) -> None:
     sizes = dict(zip(sharding.MESH_AXES, mesh_shape, strict=True))
     n = math.prod(sizes[a] for a in axes)
     for what, size in (
-        ("data.batch_size x rollout.group_size", rows),
+        (rows_name, rows),
         ("optim.micro_batch_size", o.micro_batch_size),
     ):
         if size % n:

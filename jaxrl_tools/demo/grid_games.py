@@ -15,9 +15,12 @@ from typing import Any
 
 from jaxrl_tools import envs
 from jaxrl_tools.envs import Episodes
+from jaxrl_tools.envs.episodes import instructions, window_text
 from jaxrl_tools.envs.oracle import shortest_plan
 
-THOUGHT = "Go to G around O."
+# The thought of every oracle turn, per game: the same each turn, so a tiny policy decides
+# once, in the answer.
+THOUGHTS = {"frozenlake": "Go to G around O.", "sokoban": "Push X onto O."}
 
 
 def is_grid_game(env_name: str) -> bool:
@@ -25,10 +28,10 @@ def is_grid_game(env_name: str) -> bool:
     return issubclass(envs.env_class(env_name), envs.GridEnv)
 
 
-def turn_text(moves: Sequence[str]) -> str:
-    """A RAGEN turn making `moves`. The thought is the same every turn: a tiny policy decides
-    once, in the answer."""
-    return f"<think>{THOUGHT}</think><answer>{' || '.join(moves)}</answer>"
+def turn_text(game: str, moves: Sequence[str]) -> str:
+    """A RAGEN turn of `game` making `moves`, with the game's constant thought."""
+    thought = THOUGHTS.get(game, "Reach the goal.")
+    return f"<think>{thought}</think><answer>{' || '.join(moves)}</answer>"
 
 
 def oracle_moves(
@@ -50,17 +53,45 @@ def oracle_moves(
 def play(episodes: Episodes, seed: int, rng: random.Random, noise: float) -> list[dict]:
     """The chat messages of one episode played by the noisy oracle: the first user turn, then
     assistant turns and the observations after them (none after the last)."""
-    env = episodes.start(seed)
     messages = [{"role": "user", "content": episodes.prompt(seed)}]
-    plan = None
+    for observation, turn in _oracle_turns(episodes, seed, rng, noise)[1]:
+        if len(messages) > 1:
+            messages.append({"role": "user", "content": observation})
+        messages.append({"role": "assistant", "content": turn})
+    return messages
+
+
+def conversations(
+    episodes: Episodes, seed: int, rng: random.Random, noise: float
+) -> list[list[dict]]:
+    """One oracle episode as the policy sees it: one conversation (`play`) with full history;
+    with windowed history, one per turn, its prompt the rollout's window."""
+    if not episodes.windowed:
+        return [play(episodes, seed, rng, noise)]
+    intro, turns = _oracle_turns(episodes, seed, rng, noise)
+    k = episodes.window_turns
+    return [
+        [
+            {"role": "user", "content": window_text(intro, turns[max(0, i - k) : i], obs)},
+            {"role": "assistant", "content": turn},
+        ]
+        for i, (obs, turn) in enumerate(turns)
+    ]
+
+
+def _oracle_turns(
+    episodes: Episodes, seed: int, rng: random.Random, noise: float
+) -> tuple[str, list[tuple[str, str]]]:
+    """The instructions and the (observation, oracle turn) pairs of one noisy-oracle episode."""
+    env = episodes.build()
+    observation, turns, plan = env.reset(seed), [], None
     while True:
         moves, plan = oracle_moves(env.env, plan, rng, noise, episodes.max_actions_per_turn)
-        turn = turn_text(moves)
-        messages.append({"role": "assistant", "content": turn})
-        res = env.step(turn)
+        turns.append((observation, turn_text(episodes.name, moves)))
+        res = env.step(turns[-1][1])
         if res.done:
-            return messages
-        messages.append({"role": "user", "content": res.observation})
+            return instructions(env), turns
+        observation = res.observation
 
 
 def chat_segments(tokenizer, messages: Sequence[dict], system_prompt: str | None) -> list[list]:
@@ -86,16 +117,15 @@ def chat_segments(tokenizer, messages: Sequence[dict], system_prompt: str | None
 
 def sft_traces(cfg, tokenizer) -> list[list[list[Any]]]:
     """`sft.num_traces` oracle episodes on training seeds past the RL run's (`env.seed +
-    env.train_episodes` on), as segment lists."""
+    env.train_episodes` on), as segment lists (with windowed history, one per turn)."""
     env, sft = cfg.env, cfg.sft
     episodes = Episodes.from_section(env)
     rng = random.Random(cfg.trainer.seed)
     first = env.seed + env.train_episodes
     return [
-        chat_segments(
-            tokenizer, play(episodes, first + i, rng, sft.oracle_noise), cfg.data.system_prompt
-        )
+        chat_segments(tokenizer, messages, cfg.data.system_prompt)
         for i in range(sft.num_traces)
+        for messages in conversations(episodes, first + i, rng, sft.oracle_noise)
     ]
 
 
@@ -111,7 +141,7 @@ def tokenizer_texts(env_section, n: int = 200) -> list[str]:
         k = min(len(env.env.actions), episodes.max_actions_per_turn)
         parts = [episodes.prompt(first + i)]
         for _ in range(episodes.max_turns):
-            parts.append(turn_text(rng.sample(env.env.actions, k)))
+            parts.append(turn_text(episodes.name, rng.sample(env.env.actions, k)))
             res = env.step(parts[-1])
             parts.append(res.observation)
             if res.done:

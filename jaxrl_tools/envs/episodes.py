@@ -46,7 +46,11 @@ class Episodes:
       max_turns: turns per episode; the environment ends the episode after them (grid games
         through `RagenTurns`, others through their own `max_turns`).
       max_actions_per_turn, format_penalty: RAGEN turns of grid games.
-      context_budget: prompt + response tokens per episode (None: the engine's).
+      context_budget: prompt + response tokens per episode (None: the engine's); with
+        windowed history, per turn.
+      history: what the model sees each turn, "full" (one sequence per episode), "last_k"
+        (a fresh prompt a turn with the last `history_length` turns) or "state" (the current
+        observation only); see `config.EnvSection`.
       pool: a sandbox pool, for environments that run code (`needs_sandbox`).
     """
 
@@ -59,12 +63,15 @@ class Episodes:
         max_actions_per_turn: int = 1,
         format_penalty: float = -0.1,
         context_budget: int | None = None,
+        history: str = "full",
+        history_length: int = 2,
         pool=None,
     ):
         self.cls = env_class(name)
         self.name, self.kwargs = name, dict(kwargs or {})
         self.max_turns, self.context_budget = max_turns, context_budget
         self.max_actions_per_turn, self.format_penalty = max_actions_per_turn, format_penalty
+        self.history, self.history_length = history, history_length
         self.pool = pool
 
     @classmethod
@@ -77,6 +84,8 @@ class Episodes:
             max_actions_per_turn=section.max_actions_per_turn,
             format_penalty=section.format_penalty,
             context_budget=section.context_budget,
+            history=section.history,
+            history_length=section.history_length,
             pool=pool,
         )
 
@@ -110,8 +119,17 @@ class Episodes:
         """The episode's first user turn: the environment's instructions and first observation."""
         env = self.build(reset_only=True)
         first = env.reset(int(seed))
-        intro = env.instructions() if hasattr(env, "instructions") else ""
-        return f"{intro}\n\n{first}" if intro else first
+        return window_text(instructions(env), [], first)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether every turn is a fresh prompt (history last_k or state), not one sequence."""
+        return self.history != "full"
+
+    @property
+    def window_turns(self) -> int:
+        """Earlier turns a windowed prompt holds (0 for state)."""
+        return self.history_length if self.history == "last_k" else 0
 
     def records(self, seeds: Sequence[int]) -> list[dict]:
         """One prompt record per seed."""
@@ -131,3 +149,17 @@ class Episodes:
             return self.records(range(section.seed, section.seed + section.train_episodes))
         first = section.seed + EVAL_SEED_OFFSET
         return self.records(range(first, first + section.eval_episodes))
+
+
+def instructions(env: Env) -> str:
+    """The environment's instructions ("" when it has none)."""
+    return env.instructions() if hasattr(env, "instructions") else ""
+
+
+def window_text(intro: str, earlier: Sequence[tuple[str, str]], observation: str) -> str:
+    """A turn's user message: the instructions, the earlier (observation, answer) pairs shown
+    (oldest first) and the current observation. Without earlier pairs it is the episode's first
+    prompt's form, so a `state` prompt always looks like a first turn."""
+    parts = [intro] if intro else []
+    parts += [f"Earlier observation:\n{obs}\nYour answer: {answer}" for obs, answer in earlier]
+    return "\n\n".join([*parts, observation])

@@ -12,6 +12,7 @@ from jaxrl_tools.rollout.engine import EngineCore
 from jaxrl_tools.rollout.kernels import next_pow2
 from jaxrl_tools.rollout.loop import RolloutLimits, run_rollouts
 from jaxrl_tools.rollout.sampling import SamplingParams
+from jaxrl_tools.rollout.windowed import run_windowed
 from jaxrl_tools.tools import ToolExecutor, get_parser
 from jaxrl_tools.types import Record, Tokenizer, Trajectory
 
@@ -64,7 +65,8 @@ class Sampler:
       episodes: a multi-turn environment (`envs.Episodes`): each record's samples play the
         episode of its "env_seed" (trajectories record it as `env_seed`); the environment ends
         an episode after its `max_turns` (the loop's turn limit is one above, so the last turn
-        is still stepped) and `context_budget` bounds its tokens.
+        is still stepped) and `context_budget` bounds its tokens. With windowed history
+        (`episodes.windowed`), every turn is a fresh prompt (`rollout.windowed`).
     """
 
     def __init__(
@@ -116,6 +118,22 @@ class Sampler:
             seed = self.seed * 1_000_003 + self.calls
         self.calls += 1
         env_factory, seeds = None, None
+        if self.episodes is not None and self.episodes.windowed:
+            return run_windowed(
+                self.engine,
+                params,
+                self.episodes,
+                [_env_seed(rec) for rec in records],
+                encode=lambda text: prompts.encode_prompt(
+                    self.tokenizer, {"prompt": text}, self.tools_schema or None, self.system_prompt
+                ),
+                max_prompt_len=r.max_prompt_len,
+                tokenizer=self.tokenizer,
+                num_samples=group_size,
+                limits=self.limits,
+                sampling=sampling,
+                rng=seed,
+            )
         if self.episodes is not None:
             seeds = [_env_seed(rec) for rec in records]
             env_factory = lambda pi, g: self.episodes.start(seeds[pi])  # noqa: E731

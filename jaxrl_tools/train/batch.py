@@ -3,7 +3,8 @@
 `make_batch` scores one round of trajectories; `collect_batch` samples rounds until the filters
 have kept a full batch (DAPO dynamic sampling) and adds ReMax's greedy baselines. Multi-turn
 trajectories also give per-turn advantage inputs (`step_arrays`): turn k is the k-th model
-span, its step reward the reward of the environment step its text went to.
+span, its step reward the reward of the environment step its text went to. Episodes played with
+windowed history (`Trajectory.turns`) are laid out a turn per row (`_turn_batch`).
 """
 
 from __future__ import annotations
@@ -180,8 +181,16 @@ def _batch(
     rows: int,
     pad_id: int,
     baselines: np.ndarray | None = None,
+    turn_rows: int | None = None,
 ) -> Batch:
-    """Pads kept trajectories (G consecutive ones per group) and their per-row inputs."""
+    """Pads kept trajectories (G consecutive ones per group) and their per-row inputs; episodes
+    with windowed history into `turn_rows` rows of turns (`_turn_batch`)."""
+    if trajectories and trajectories[0].turns is not None:
+        if turn_rows is None:
+            raise ValueError("episodes with windowed history need turn_rows (rows of turns)")
+        return _turn_batch(
+            trajectories, scores, metrics, rows=rows, turn_rows=turn_rows, pad_id=pad_id
+        )
     arrays = pad_trajectories(trajectories, pad_id=pad_id, rows=rows)
     n = len(trajectories)
     scores_R = np.zeros(rows, np.float32)
@@ -211,6 +220,52 @@ def _batch(
     )
 
 
+def _turn_batch(
+    episodes: Sequence[Trajectory],
+    scores: np.ndarray,
+    metrics: dict,
+    *,
+    rows: int,
+    turn_rows: int,
+    pad_id: int,
+) -> Batch:
+    """Windowed episodes as rows of turns: each turn's own prompt and tokens are a row; the
+    estimators' inputs are the episodes' scores and [rows, S] step arrays, and `turn_slot_R`
+    maps each row to its (episode, turn) entry (see `types.Batch`)."""
+    turns = [turn for ep in episodes for turn in ep.turns]
+    if len(turns) > turn_rows:
+        raise ValueError(f"{len(turns)} turns do not fit in {turn_rows} rows")
+    arrays = pad_trajectories(turns, pad_id=pad_id, rows=turn_rows)
+    steps = step_arrays(episodes, rows=rows, length=1)
+    S = steps["step_mask"].shape[1]
+    slot = np.full(turn_rows, -1, np.int32)
+    scores_R = np.zeros(turn_rows, np.float32)
+    i = 0
+    for e, ep in enumerate(episodes):
+        n = len(ep.turns)
+        slot[i : i + n] = e * S + np.arange(n)
+        scores_R[i : i + n] = scores[e]
+        i += n
+    episode_scores = np.zeros(rows, np.float32)
+    episode_scores[: len(episodes)] = scores
+    return Batch(
+        tokens_RT=arrays["tokens"],
+        positions_RT=arrays["positions"],
+        attention_RT=arrays["attention"],
+        loss_mask_RT=arrays["loss_mask"],
+        behaviour_logp_RT=arrays["behaviour_logp"],
+        scores_R=scores_R,
+        num_rows=len(turns),
+        metrics=metrics,
+        step_rewards_RS=steps["step_rewards"],
+        step_mask_RS=steps["step_mask"],
+        anchor_ids_RS=steps["anchor_ids"],
+        episode_scores_E=episode_scores,
+        num_episodes=len(episodes),
+        turn_slot_R=slot,
+    )
+
+
 def make_batch(
     records: Sequence[Record],
     trajectories: Sequence[Trajectory],
@@ -221,10 +276,12 @@ def make_batch(
     rows: int,
     pad_id: int,
     baselines: np.ndarray | None = None,
+    turn_rows: int | None = None,
 ) -> Batch:
     """Scores trajectories (G consecutive ones per record), keeps the groups the filters keep,
-    and pads them into [rows, T] arrays; the rollout's statistics go in `Batch.metrics`.
-    `baselines` ([len(records)], ReMax): each record's greedy-rollout reward, per row."""
+    and pads them into [rows, T] arrays (windowed episodes: [turn_rows, T] rows of turns); the
+    rollout's statistics go in `Batch.metrics`. `baselines` ([len(records)], ReMax): each
+    record's greedy-rollout reward, per row."""
     scores, parts = score_trajectories(reward, records, trajectories, group_size)
     keep_groups = filter_groups(scores, group_size, filters)
     keep = [g * group_size + j for g in keep_groups for j in range(group_size)]
@@ -240,6 +297,7 @@ def make_batch(
         rows=rows,
         pad_id=pad_id,
         baselines=base,
+        turn_rows=turn_rows,
     )
 
 
@@ -265,10 +323,12 @@ def collect_batch(
     rows: int,
     pad_id: int,
     greedy_baseline: bool = False,
+    turn_rows: int | None = None,
 ) -> Batch:
     """One update's batch, sampled in rounds: each round draws `next_records()` and samples
     them with `sample(records, group_size)`; kept groups accumulate until `rows // group_size`
-    groups are kept or `filters.max_sampling_rounds` rounds ran (DAPO dynamic sampling:
+    groups are kept (`rows` are episodes; windowed ones are laid out in `turn_rows` rows of
+    turns) or `filters.max_sampling_rounds` rounds ran (DAPO dynamic sampling:
     only then are rounds repeated; other filters keep what one round gives). Surplus groups of
     the last round are dropped; a batch still short after the last round trains on what it has.
 
@@ -311,4 +371,6 @@ def collect_batch(
     if greedy_baseline and kept_records:
         base = np.repeat(greedy_baselines(sample, kept_records, reward), group_size)
     scores_kept = np.concatenate(kept_scores) if kept_scores else np.zeros(0, np.float32)
-    return _batch(kept, scores_kept, metrics, rows=rows, pad_id=pad_id, baselines=base)
+    return _batch(
+        kept, scores_kept, metrics, rows=rows, pad_id=pad_id, baselines=base, turn_rows=turn_rows
+    )

@@ -72,7 +72,8 @@ class RLSetup:
     """What the trainer needs to know of the rest of the run.
 
     Attributes:
-      rows: sequences per RL step (prompts x group size): the batch's fixed row count.
+      rows: sequences per RL step (prompts x group size; x env.max_turns with windowed history,
+        a row per turn): the batch's fixed row count.
       group_size: G samples per prompt (consecutive rows).
       temperature: the sampling temperature (log-probs are of the tempered policy).
       max_response_len: the constant of seq-mean-token-sum-norm aggregation.
@@ -194,7 +195,8 @@ class RLTrainer:
         self.rows = setup.rows
         if self.rows % (o.num_mini_batches * o.micro_batch_size):
             raise ValueError(
-                f"data.batch_size x rollout.group_size = {self.rows} sequences must split into "
+                f"data.batch_size x rollout.group_size (x env.max_turns with windowed history) "
+                f"= {self.rows} sequences must split into "
                 f"optim.num_mini_batches ({o.num_mini_batches}) x optim.micro_batch_size "
                 f"({o.micro_batch_size})"
             )
@@ -434,12 +436,14 @@ class RLTrainer:
             )
 
     def _advantages(self, inputs: dict[str, jax.Array], n_rows: int) -> tuple:
-        """(advantages, returns), [rows, T]: the estimator sees only the first `n_rows` rows
-        (padding rows would form fake groups); the rest are 0. One compile per `n_rows`."""
+        """(advantages, returns), shaped like `loss_mask_BT`: the estimator sees only the first
+        `n_rows` rows (padding rows would form fake groups); the rest are 0. One compile per
+        `n_rows` (and input shape)."""
         if n_rows not in self._adv_fns:
-            est, acfg, rows = self.algorithm.adv_estimator, self.acfg, self.rows
+            est, acfg = self.algorithm.adv_estimator, self.acfg
 
             def advantages(x):
+                rows = x["loss_mask_BT"].shape[0]
                 adv, ret = algorithms.compute_advantages(
                     est,
                     algorithms.AdvantageInputs(**{k: v[:n_rows] for k, v in x.items()}),
@@ -517,10 +521,18 @@ class RLTrainer:
             b["old_logp"], _ = self._logprobs(self._policy_params(), seqs)
         if self.ref_params is not None:
             b["ref_logp"], _ = self._ref_logprobs(self.ref_params, seqs)
-        adv_inputs = {
-            "loss_mask_BT": self._place(batch.loss_mask_RT) if self.setup.pack else b["loss_mask"],
-            "scores_B": self._place(batch.scores_R),
-        }
+        windowed = batch.turn_slot_R is not None
+        if windowed:  # the estimator runs on the episodes, one entry per turn
+            adv_inputs, token_step, n_adv = _turn_inputs(batch)
+            adv_inputs = {k: self._place(v) for k, v in adv_inputs.items()}
+        else:
+            adv_inputs = {
+                "loss_mask_BT": (
+                    self._place(batch.loss_mask_RT) if self.setup.pack else b["loss_mask"]
+                ),
+                "scores_B": self._place(batch.scores_R),
+            }
+            token_step, n_adv = batch.token_step_RT, batch.num_rows
         # Per-turn inputs (GiGPO, Kevin) and the greedy baseline (ReMax), where the estimator
         # reads them; a required one the batch lacks fails in compute_advantages, naming it.
         reads = algorithms.estimator_inputs(self.algorithm.adv_estimator)
@@ -528,7 +540,7 @@ class RLTrainer:
             ("step_rewards_BS", batch.step_rewards_RS),
             ("step_mask_BS", batch.step_mask_RS),
             ("anchor_ids_BS", batch.anchor_ids_RS),
-            ("token_step_BT", batch.token_step_RT),
+            ("token_step_BT", token_step),
             ("baseline_B", batch.baseline_R),
         ):
             if value is not None and key in reads:
@@ -541,7 +553,11 @@ class RLTrainer:
         if self.critic_state is not None:
             b["old_values"] = self._values(self.critic_state.params, seqs)
             adv_inputs["values_BT"] = to_padded(b["old_values"])
-        advantages, returns = self._advantages(adv_inputs, batch.num_rows)
+        advantages, returns = self._advantages(adv_inputs, n_adv)
+        if windowed:  # each turn's entry on its row's model tokens
+            slot, mask = self._place(batch.turn_slot_R), self._place(batch.loss_mask_RT)
+            advantages = _on_turn_rows(advantages, slot, mask)
+            returns = _on_turn_rows(returns, slot, mask)
         b["advantages"], b["returns"] = to_packed(advantages), to_packed(returns)
         metrics.update(self._update(b))
         if self.lora is not None:  # which weights the engine decodes with (see `params`)
@@ -624,3 +640,21 @@ class RLTrainer:
         if self.ref_params is not None and self.lora is None:
             self.ref_params = state["ref"]
         self._decode_params = None
+
+
+def _turn_inputs(batch: Batch) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
+    """The estimator's view of windowed episodes: each episode a row of S entries, one per
+    turn (the turn's "token"); returns (inputs, token_step_ES, real episodes)."""
+    E, S = batch.step_mask_RS.shape
+    slots = batch.turn_slot_R[batch.turn_slot_R >= 0]
+    turn_mask = np.zeros(E * S, np.float32)
+    turn_mask[slots] = 1.0
+    inputs = {"loss_mask_BT": turn_mask.reshape(E, S), "scores_B": batch.episode_scores_E}
+    return inputs, np.tile(np.arange(S, dtype=np.int32), (E, 1)), batch.num_episodes
+
+
+@jax.jit
+def _on_turn_rows(a_ES: jax.Array, slot_R: jax.Array, mask_RT: jax.Array) -> jax.Array:
+    """[E, S] per-turn values onto the [R, T] rows of turns (0 on padding rows)."""
+    a_R = jnp.where(slot_R >= 0, a_ES.reshape(-1)[jnp.maximum(slot_R, 0)], 0.0)
+    return a_R[:, None] * mask_RT

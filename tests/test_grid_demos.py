@@ -90,11 +90,10 @@ def test_trace_segments_are_the_rollout_text_with_only_model_turns_trained(tok):
     assert all(s.endswith("<|im_end|>") for s in trained)
 
 
-def test_gigpo_demo_against_grpo_smoke(tmp_path, capsys):
-    """`demo --config sokoban_gigpo_demo --baseline-estimator grpo`, shrunk: oracle SFT, one
-    GiGPO and one GRPO step from the same SFT policy, held-out success in one report."""
+def shrunk(tmp_path) -> list[str]:
+    """Overrides that shrink a grid demo to a smoke run (a tiny model, 1 step, few episodes)."""
     out = tmp_path / "run"
-    overrides = [
+    return [
         f"tokenizer.path={tmp_path / 'tok'}",
         "tokenizer.vocab_size=400",
         "model.tiny.hidden_size=32",
@@ -109,14 +108,23 @@ def test_gigpo_demo_against_grpo_smoke(tmp_path, capsys):
         "rollout.eval_group_size=1",
         "rollout.slots=8",
         "rollout.max_prompt_len=320",
-        "rollout.max_response_len=96",
         "optim.micro_batch_size=8",
-        "sft.num_traces=16",
         "sft.epochs=1",
         "sft.batch_size=8",
         "trainer.steps=1",
         f"trainer.log_dir={out / 'logs'}",
         f"trainer.checkpoint_dir={out / 'ckpt'}",
+    ]
+
+
+def test_gigpo_demo_against_grpo_smoke(tmp_path, capsys):
+    """`demo --config sokoban_gigpo_demo --baseline-estimator grpo`, shrunk: oracle SFT, one
+    GiGPO and one GRPO step from the same SFT policy, held-out success in one report."""
+    out = tmp_path / "run"
+    overrides = [
+        *shrunk(tmp_path),
+        "rollout.max_response_len=96",
+        "sft.num_traces=16",
     ]
     argv = ["demo", "--config", "sokoban_gigpo_demo", "--baseline-estimator", "grpo"]
     assert main([*argv, *overrides]) == 0, capsys.readouterr().err
@@ -137,34 +145,16 @@ def test_gigpo_demo_against_grpo_smoke(tmp_path, capsys):
 
 def test_windowed_frozenlake_demo_smoke(tmp_path, capsys):
     """`demo --config frozenlake_demo env.history=state`, shrunk: oracle SFT on one window a
-    turn, a GRPO step on rows of turns, held-out success before and after."""
+    turn, a GRPO step on packed rows of turns, held-out success before and after."""
     out = tmp_path / "run"
     overrides = [
-        f"tokenizer.path={tmp_path / 'tok'}",
-        "tokenizer.vocab_size=400",
-        "model.tiny.hidden_size=32",
-        "model.tiny.intermediate_size=64",
-        "model.tiny.head_dim=8",
+        *shrunk(tmp_path),
         "env.history=state",
-        "data.batch_size=2",
-        "data.eval_batch_size=4",
-        "env.train_episodes=16",
-        "env.eval_episodes=4",
-        "env.max_turns=3",
-        "rollout.group_size=4",
-        "rollout.eval_group_size=1",
-        "rollout.slots=8",
-        "rollout.max_prompt_len=320",
         "rollout.max_response_len=32",
-        "optim.micro_batch_size=8",
         "optim.ppo_epochs=1",
+        "optim.pack=true",
         "sft.num_traces=8",
-        "sft.epochs=1",
-        "sft.batch_size=8",
         "sft.max_len=256",
-        "trainer.steps=1",
-        f"trainer.log_dir={out / 'logs'}",
-        f"trainer.checkpoint_dir={out / 'ckpt'}",
     ]
     assert main(["demo", "--config", "frozenlake_demo", *overrides]) == 0, capsys.readouterr().err
     summary = json.loads((out / "logs" / "report.json").read_text())
@@ -172,4 +162,5 @@ def test_windowed_frozenlake_demo_smoke(tmp_path, capsys):
         assert m["num_problems"] == 4 and m["env/turns_mean"] <= 3
     metrics = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").open()]
     step = next(m for m in metrics if "actor/loss" in m)
-    assert "env/success_rate" in step and (out / "ckpt" / "1").is_dir()
+    assert "env/success_rate" in step and step["packing/rows"] >= 1
+    assert (out / "ckpt" / "1").is_dir()

@@ -527,3 +527,20 @@ def test_sampler_plays_windowed_history_turn_by_turn(tiny, tok, history):
         (cut,) = Sampler(eng, tok, None, tight, episodes=long)(records[:1], 1, params)
         assert cut.turns[2].prompt_ids == trajs[0].turns[2].prompt_ids  # one pair, as k = 1
         assert [t.prompt_ids for t in cut.turns[:2]] == [t.prompt_ids for t in full.turns[:2]]
+
+
+def test_windowed_history_keeps_a_long_episodes_prompts_bounded(tiny, tok):
+    """A 40-turn episode (the answer bumps into the lake's edge: the state never changes):
+    with last_k, every prompt from turn k on is the same length, however long the episode."""
+    text = "<think>wait</think><answer>Up</answer>"
+    eng, params = _engine(tiny, tok, [text + "<|im_end|>"])
+    settings = RolloutSection(
+        protocol="none", max_prompt_len=512, max_response_len=32, chunk_size=16, slots=1
+    )
+    episodes = Episodes("frozenlake", {"size": 4, "max_steps": 100}, max_turns=40, history="last_k")
+    (t,) = Sampler(eng, tok, None, settings, episodes=episodes)(
+        episodes.records([8]), 1, params, temperature=0.0
+    )
+    lengths = [len(turn.prompt_ids) for turn in t.turns]
+    assert len(t.turns) == 40 and t.finish_reason == "done" and not t.env_success
+    assert lengths[0] < lengths[1] < lengths[2] and len(set(lengths[2:])) == 1

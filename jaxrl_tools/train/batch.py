@@ -207,11 +207,7 @@ def _batch(
         baseline_R = np.zeros(rows, np.float32)
         baseline_R[:n] = baselines
     return Batch(
-        tokens_RT=arrays["tokens"],
-        positions_RT=arrays["positions"],
-        attention_RT=arrays["attention"],
-        loss_mask_RT=arrays["loss_mask"],
-        behaviour_logp_RT=arrays["behaviour_logp"],
+        **{f"{k}_RT": v for k, v in arrays.items()},  # tokens_RT, positions_RT, ...
         scores_R=scores_R,
         num_rows=n,
         metrics=metrics,
@@ -249,11 +245,7 @@ def _turn_batch(
     episode_scores = np.zeros(rows, np.float32)
     episode_scores[: len(episodes)] = scores
     return Batch(
-        tokens_RT=arrays["tokens"],
-        positions_RT=arrays["positions"],
-        attention_RT=arrays["attention"],
-        loss_mask_RT=arrays["loss_mask"],
-        behaviour_logp_RT=arrays["behaviour_logp"],
+        **{f"{k}_RT": v for k, v in arrays.items()},  # tokens_RT, positions_RT, ...
         scores_R=scores_R,
         num_rows=len(turns),
         metrics=metrics,

@@ -13,7 +13,7 @@ from jaxrl_tools import models, run
 from jaxrl_tools.config_loader import config_from_dict
 from jaxrl_tools.train import objectives, policy
 from jaxrl_tools.train.batch import make_batch, pad_trajectories
-from jaxrl_tools.train.state import make_optimizer
+from jaxrl_tools.train.state import accumulate_gradients, make_optimizer
 from jaxrl_tools.types import Batch
 
 tiny_config = tiny_model_config
@@ -282,3 +282,27 @@ def test_a_hand_written_batch_trains_and_padding_rows_do_not_count():
     before = jax.tree.map(np.array, a.params)
     assert a.step(Batch(**empty)) == {"reward/mean": 0.5, "time/update_s": 0.0}
     jax.tree.map(np.testing.assert_array_equal, before, a.params)
+
+
+def test_micro_batch_metrics_are_token_weighted_and_padding_counts_for_nothing():
+    """Metrics of accumulated micro-batches: means weighted by each micro-batch's loss-mask
+    tokens (a micro-batch of padding rows adds nothing), `*_min` / `*_max` the extremes."""
+
+    def loss_fn(params, micro, denoms):
+        m = micro["loss_mask"]
+        n = jnp.maximum(jnp.sum(m), 1.0)
+        x = micro["x"]
+        metrics = {
+            "mean": jnp.sum(x * m) / n,
+            "x_min": jnp.min(jnp.where(m > 0, x, jnp.inf)),
+            "x_max": jnp.max(jnp.where(m > 0, x, -jnp.inf)),
+        }
+        return jnp.sum(params * x * m) / denoms, metrics
+
+    x = jnp.asarray([[1.0, 1.0, 1.0, 0.0], [5.0, 0.0, 0.0, 0.0], [9.0, 9.0, 9.0, 9.0]])
+    mask = jnp.asarray([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    _, _, metrics = accumulate_gradients(
+        loss_fn, jnp.ones(()), {"x": x, "loss_mask": mask}, jnp.asarray(4.0)
+    )
+    np.testing.assert_allclose(metrics["mean"], (3 * 1.0 + 5.0) / 4, rtol=1e-6)
+    assert float(metrics["x_min"]) == 1.0 and float(metrics["x_max"]) == 5.0

@@ -199,25 +199,38 @@ def accumulate_gradients(
     """Sums loss and gradient over the micro-batches of `batch_M` with `lax.scan`.
 
     `loss_fn(params, micro_batch, denoms) -> (loss, metrics)` must already divide by the whole
-    mini-batch's denominators `denoms`; metrics are averaged over micro-batches.
+    mini-batch's denominators `denoms`. Metrics (each a mean over its micro-batch's tokens) are
+    combined weighted by the micro-batches' `loss_mask` tokens when the batch has one (equal
+    weights otherwise), so a micro-batch of padding rows counts for nothing; metrics named
+    `*_min` / `*_max` are the extremes over micro-batches.
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    num_micro = jax.tree.leaves(batch_M)[0].shape[0]
+
+    def combine(name, acc, m, w):
+        if name.endswith("_min"):
+            return jnp.minimum(acc, m)
+        if name.endswith("_max"):
+            return jnp.maximum(acc, m)
+        return acc + w * m
 
     def body(carry, micro):
-        loss_acc, grad_acc, met_acc = carry
+        loss_acc, grad_acc, met_acc, w_acc = carry
         (loss, metrics), grads = grad_fn(params, micro, denoms)
         grad_acc = jax.tree.map(jnp.add, grad_acc, grads)
-        met_acc = jax.tree.map(lambda a, m: a + m / num_micro, met_acc, metrics)
-        return (loss_acc + loss, grad_acc, met_acc), None
+        w = jnp.sum(micro["loss_mask"]).astype(jnp.float32) if "loss_mask" in micro else 1.0
+        met_acc = {k: combine(k, met_acc[k], metrics[k], w) for k in met_acc}
+        return (loss_acc + loss, grad_acc, met_acc, w_acc + w), None
 
     first = jax.tree.map(lambda x: x[0], batch_M)
     met_shape = jax.eval_shape(lambda: loss_fn(params, first, denoms)[1])
-    zeros_met = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), met_shape)
+    start = {"_min": jnp.inf, "_max": -jnp.inf}
+    zeros_met = {
+        k: jnp.full(s.shape, start.get(k[-4:], 0.0), jnp.float32) for k, s in met_shape.items()
+    }
     zeros_grad = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    (loss, grads, metrics), _ = jax.lax.scan(
-        body, (jnp.zeros((), jnp.float32), zeros_grad, zeros_met), batch_M
-    )
+    carry = (jnp.zeros((), jnp.float32), zeros_grad, zeros_met, jnp.zeros((), jnp.float32))
+    (loss, grads, sums, total), _ = jax.lax.scan(body, carry, batch_M)
+    metrics = {k: v if k[-4:] in start else v / jnp.maximum(total, 1e-9) for k, v in sums.items()}
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return loss, grads, metrics
 

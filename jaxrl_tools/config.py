@@ -715,6 +715,12 @@ class RunConfig:
             )
         if self.env.name is not None and self.env.history != "full":
             _check(
+                not self.tools,
+                "tools",
+                f"are not supported with env.history={self.env.history!r}: a windowed turn is "
+                "one model segment, with no tool calls inside it; use env.history=full",
+            )
+            _check(
                 algorithms.turn_level(est),
                 "algorithm.adv_estimator",
                 f"is {est!r}, which gives each token its own advantage; env.history="

@@ -397,6 +397,15 @@ def test_windowed_history_refuses_per_token_estimators():
     env = {**cfg_dict()["env"], "history": "state"}
     with pytest.raises(ConfigError, match="algorithm.adv_estimator is 'gae', which gives each"):
         config_from_dict({**cfg_dict(adv_estimator="gae"), "env": env, "critic": {"enabled": True}})
+    with pytest.raises(ConfigError, match="tools are not supported with env.history='state'"):
+        config_from_dict(
+            {
+                **cfg_dict(),
+                "env": env,
+                "tools": [{"cls": "python"}],
+                "rollout": {"protocol": "torl"},
+            }
+        )
     with pytest.raises(ConfigError, match="env.history_length must be >= 1"):
         config_from_dict({**cfg_dict(), "env": {**env, "history_length": 0}})
 

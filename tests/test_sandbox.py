@@ -63,6 +63,32 @@ def uid_procs(uid: int) -> set[int]:
     return out
 
 
+def descendants(roots) -> set[int]:
+    """Every process below `roots` (a sandboxed process's orphans stay below its worker: the
+    pid namespace's init adopts them, and dies with the worker)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = set(), list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def pool_sandbox_procs(pool, workers) -> set[int]:
+    """The pool's sandboxed processes (uid 65534 below its workers): other tests' pools,
+    running in other pytest workers at the same time, do not count."""
+    return uid_procs(65534) & descendants(set(workers) | set(pool.worker_pids()))
+
+
 # --------------------------------------------------------------------------- basics
 def test_worker_identity_and_basic_run(pool):
     res = run(
@@ -184,14 +210,16 @@ def test_secret_file_and_env_not_readable(pool, tmp_path):
 
 # --------------------------------------------------------------------------- resources
 def test_fork_bomb_contained(pool):
-    before = uid_procs(65534)
+    workers = pool.worker_pids()
+    before = pool_sandbox_procs(pool, workers)
     code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
     t0 = time.monotonic()
     res = run(pool, code, timeout_s=1.0)
     assert res.status == "TimeLimitExceeded", res
     assert time.monotonic() - t0 < 5
     # As many sandbox processes as before (each worker's next snippet process is a new one).
-    assert wait_until(lambda: len(uid_procs(65534)) <= len(before)), uid_procs(65534) - before
+    left = lambda: pool_sandbox_procs(pool, workers)  # noqa: E731
+    assert wait_until(lambda: len(left()) <= len(before)), left() - before
     assert_pool_ok(pool)
 
 

@@ -13,6 +13,11 @@ trajectory holds them in `turns`, with the environment's rewards, anchor states 
 and every turn's tokens back to back (for rewards and statistics). An episode ends when the
 environment says done ("done"), or when a turn does not end with the end token ("length" /
 "budget": that turn reaches no environment step, as in one-sequence episodes).
+
+With several processes (multi-controller), every process steps every environment with the same
+turn text, so they agree without exchanging results; that needs environments that are
+deterministic in the text (grid games are; code an environment runs in a sandbox could time out
+in one process only, which this does not guard against).
 """
 
 from __future__ import annotations

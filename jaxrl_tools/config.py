@@ -365,6 +365,11 @@ class EnvSection:
     eval_episodes: int = 64  # held-out seeds
     sandbox_workers: int = 2  # sandbox pool of environments that run code (refine)
 
+    @property
+    def windowed(self) -> bool:
+        """Whether each turn is a fresh prompt (history last_k or state) of an environment."""
+        return self.name is not None and self.history != "full"
+
     def __post_init__(self):
         if self.name is None:
             return
@@ -713,7 +718,7 @@ class RunConfig:
                 f"the KL into (it would be dropped); set kl_in_reward=false (KL in the loss) or "
                 f"use one of {takes}"
             )
-        if self.env.name is not None and self.env.history != "full":
+        if self.env.windowed:
             _check(
                 not self.tools,
                 "tools",
@@ -746,8 +751,7 @@ class RunConfig:
         """Sequences in one update: prompts x G; with windowed history (a row per turn),
         x `env.max_turns`."""
         rows = self.data.batch_size * self.rollout.group_size
-        windowed = self.env.name is not None and self.env.history != "full"
-        return rows * self.env.max_turns if windowed else rows
+        return rows * self.env.max_turns if self.env.windowed else rows
 
     @property
     def use_reference_model(self) -> bool:

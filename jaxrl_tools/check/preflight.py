@@ -178,7 +178,7 @@ def preflight(cfg: RunConfig, *, needs_eval: bool = False) -> dict[str, Any]:
         + ("" if r.mesh is None else f", decode on {r.mesh}")
         + (", rollouts one step ahead" if cfg.trainer.async_rollouts else ""),
         "batch": f"{d.batch_size} prompts x {r.group_size} samples"
-        + ("" if rows == d.batch_size * r.group_size else f" x {cfg.env.max_turns} turns")
+        + (f" x {cfg.env.max_turns} turns" if cfg.env.windowed else "")
         + f" = {rows} sequences per step: "
         f"{o.num_mini_batches} mini-batch(es) x {micro_per_mini} micro-batch(es) of "
         f"{o.micro_batch_size}, {o.ppo_epochs} epoch(s)",

@@ -172,7 +172,7 @@ def check_batch(cfg: RunConfig, mesh_shape: tuple[int, int, int]) -> None:
     o, d, r = cfg.optim, cfg.data, cfg.rollout
     rows = cfg.update_rows
     rows_name, factors = "data.batch_size x rollout.group_size", f"{d.batch_size} x {r.group_size}"
-    if rows != d.batch_size * r.group_size:  # windowed history: a row per turn
+    if cfg.env.windowed:  # a row per turn
         rows_name, factors = f"{rows_name} x env.max_turns", f"{factors} x {cfg.env.max_turns}"
     split = o.num_mini_batches * o.micro_batch_size
     if rows % split:

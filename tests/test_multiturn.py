@@ -393,7 +393,7 @@ def test_windowed_turn_rows_get_their_episodes_turn_advantages(estimator):
     assert not adv[len(turns) :].any()
 
 
-def test_windowed_history_refuses_per_token_estimators():
+def test_windowed_history_refuses_per_token_estimators_and_tools():
     env = {**cfg_dict()["env"], "history": "state"}
     with pytest.raises(ConfigError, match="algorithm.adv_estimator is 'gae', which gives each"):
         config_from_dict({**cfg_dict(adv_estimator="gae"), "env": env, "critic": {"enabled": True}})

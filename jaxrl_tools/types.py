@@ -137,10 +137,10 @@ class Batch:
 
     Windowed history (`Trajectory.turns`): the rows are turns, each trained on its own prompt;
     the estimators see the episodes as [E, S] layouts of one entry per turn. `scores_R` is
-    then each turn's episode score, the step arrays and `baseline_R` are [E, S] / [E] over
-    episodes, `episode_scores_E` the episodes' scores, `num_episodes` the real ones, and
-    `turn_slot_R` the index e * S + k of row's turn in the [E, S] layout (-1 on padding);
-    `token_step_RT` is None.
+    then each turn's episode score, the step arrays are [E, S] over episodes,
+    `episode_scores_E` the episodes' scores, `num_episodes` the real ones, and `turn_slot_R`
+    the index e * S + k of the row's turn in the [E, S] layout (-1 on padding);
+    `token_step_RT` and `baseline_R` are None (ReMax is not turn-level).
     """
 
     tokens_RT: np.ndarray

@@ -53,9 +53,10 @@ def oracle_moves(
 def play(episodes: Episodes, seed: int, rng: random.Random, noise: float) -> list[dict]:
     """The chat messages of one episode played by the noisy oracle: the first user turn, then
     assistant turns and the observations after them (none after the last)."""
-    messages = [{"role": "user", "content": episodes.prompt(seed)}]
-    for observation, turn in _oracle_turns(episodes, seed, rng, noise)[1]:
-        if len(messages) > 1:
+    intro, turns = _oracle_turns(episodes, seed, rng, noise)
+    messages = [{"role": "user", "content": window_text(intro, [], turns[0][0])}]
+    for i, (observation, turn) in enumerate(turns):
+        if i:
             messages.append({"role": "user", "content": observation})
         messages.append({"role": "assistant", "content": turn})
     return messages

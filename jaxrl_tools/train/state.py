@@ -193,6 +193,10 @@ def train_state_shardings(state_shapes: TrainState, param_shardings: Any, mesh: 
     return TrainState(step=replicated, params=param_shardings, opt_state=opt, rng=replicated)
 
 
+# Metrics named *_min / *_max: how two micro-batches' values combine, and the neutral start.
+_EXTREMES = {"_min": (jnp.minimum, jnp.inf), "_max": (jnp.maximum, -jnp.inf)}
+
+
 def accumulate_gradients(
     loss_fn: LossFn, params: Any, batch_M: Any, denoms: Any
 ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
@@ -207,11 +211,8 @@ def accumulate_gradients(
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def combine(name, acc, m, w):
-        if name.endswith("_min"):
-            return jnp.minimum(acc, m)
-        if name.endswith("_max"):
-            return jnp.maximum(acc, m)
-        return acc + w * m
+        extreme = _EXTREMES.get(name[-4:])
+        return extreme[0](acc, m) if extreme else acc + w * m
 
     def body(carry, micro):
         loss_acc, grad_acc, met_acc, w_acc = carry
@@ -223,14 +224,14 @@ def accumulate_gradients(
 
     first = jax.tree.map(lambda x: x[0], batch_M)
     met_shape = jax.eval_shape(lambda: loss_fn(params, first, denoms)[1])
-    start = {"_min": jnp.inf, "_max": -jnp.inf}
-    zeros_met = {
-        k: jnp.full(s.shape, start.get(k[-4:], 0.0), jnp.float32) for k, s in met_shape.items()
-    }
+    start = {k: _EXTREMES.get(k[-4:], (None, 0.0))[1] for k in met_shape}
+    zeros_met = {k: jnp.full(s.shape, start[k], jnp.float32) for k, s in met_shape.items()}
     zeros_grad = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     carry = (jnp.zeros((), jnp.float32), zeros_grad, zeros_met, jnp.zeros((), jnp.float32))
     (loss, grads, sums, total), _ = jax.lax.scan(body, carry, batch_M)
-    metrics = {k: v if k[-4:] in start else v / jnp.maximum(total, 1e-9) for k, v in sums.items()}
+    metrics = {
+        k: v if k[-4:] in _EXTREMES else v / jnp.maximum(total, 1e-9) for k, v in sums.items()
+    }
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return loss, grads, metrics
 

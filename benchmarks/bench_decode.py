@@ -5,9 +5,13 @@ The standard peer workload's model (shared/bench/peers/README.md): a random Qwen
 seed 0, saved with save_pretrained and loaded by both sides. Batch 16 prompts of 32 random tokens,
 64 new tokens each, greedy or (--sample) at temperature 1 without top-k/top-p (no EOS: every
 row decodes all 64). Timed after one warm-up run (JAX compile excluded), HF and JAX runs
-interleaved; both sides include the prompt prefill. Prints tokens/s and the ratio.
+interleaved; both sides include the prompt prefill. Prints tokens/s, the ratio, and the
+engine's time against its floor on this machine's roofline measured in the same process
+(`roofline.py`): the prefill's FLOPs and one read of the weights, plus every decode step's
+(`Roofline.decode_floor_s`, the live KV cache included). Like `jaxrl-tools` on CPU, the process
+keeps freed memory in malloc's heap (`jaxrl_tools.host`); `--system-malloc` leaves glibc's default.
 
-Run: /work/venv/bin/python benchmarks/bench_decode.py [--batch 16] [--new 64] [--sample]
+Run: .venv/bin/python benchmarks/bench_decode.py [--batch 16] [--new 64] [--sample]
 """
 
 import argparse
@@ -50,12 +54,17 @@ def main():
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sample", action="store_true", help="temperature 1 instead of greedy")
+    ap.add_argument("--system-malloc", action="store_true", help="glibc's default malloc settings")
     args = ap.parse_args()
 
     import jax
     import torch
+    from roofline import Roofline
 
-    from jaxrl_tools import models
+    from jaxrl_tools import host, models
+
+    if not args.system_malloc:
+        host.keep_freed_memory()
     from jaxrl_tools.rollout.engine import EngineCore
     from jaxrl_tools.rollout.sampling import GREEDY, SamplingParams
 
@@ -66,6 +75,12 @@ def main():
         hf = build_model(d)
         config, params = models.from_pretrained(d)
     n_params = sum(p.numel() for p in hf.parameters())
+    roof = Roofline.measure()
+    n_mm = n_params  # tied: the embedding is read once per step, as the LM head
+    floor = roof.floor_s(2 * n_mm * B * P, 4 * n_mm) + sum(
+        roof.decode_floor_s(n_mm, 4, B, models.cache_bytes(config, B, P + i)) for i in range(N)
+    )
+    print(roof.describe())
     print(
         f"model: {n_params / 1e6:.1f}M params, batch {B}, prompt {P}, new {N}, "
         f"torch threads {torch.get_num_threads()}, jax {jax.devices()[0].platform}"
@@ -134,7 +149,9 @@ def main():
     )
     print(
         f"jaxrl_tools engine   : {jax_tps:8.1f} tokens/s  (median of {args.repeats}: "
-        f"{statistics.median(jax_times):.3f} s, chunk {args.chunk})"
+        f"{statistics.median(jax_times):.3f} s, chunk {args.chunk}); {floor / min(jax_times):.0%} "
+        f"of its floor ({floor * 1e3:.0f} ms) at its best run, "
+        f"{floor / statistics.median(jax_times):.0%} at the median"
     )
     if not args.sample:
         same = float((jax_out == hf_out[:, P:].numpy()).mean())

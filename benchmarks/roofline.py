@@ -65,6 +65,11 @@ class Roofline:
         """floor / measured time: 1.0 is the roofline."""
         return self.floor_s(flops, bytes_moved) / seconds
 
+    def decode_floor_s(self, matmul_weights: int, itemsize: int, batch: int, kv_bytes: int):
+        """The floor of one decode step of `batch` tokens: 2 x matmul weights FLOPs per token,
+        and every weight (`itemsize` bytes each) plus the live KV cache read once."""
+        return self.floor_s(2 * matmul_weights * batch, matmul_weights * itemsize + kv_bytes)
+
     def describe(self) -> str:
         return (
             f"roofline: matmul {self.flops_per_s / 1e9:,.0f} GFLOP/s, read "

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jax
 
-from jaxrl_tools import check, configs, plan, run, sharding, smoke
+from jaxrl_tools import check, configs, host, plan, run, sharding, smoke
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import load_config
 from jaxrl_tools.data import DataError
@@ -88,6 +88,8 @@ def _load(args):
 def _dispatch(args, cfg) -> int | None:
     if args.command in ("demo", "train", "sft", "eval", "serve"):
         run.use_compile_cache(cfg)
+        if jax.default_backend() == "cpu":
+            host.keep_freed_memory()
     if getattr(args, "smoke", False):  # runs/smoke/<run_name> is scratch: start it afresh
         smoke.clear_outputs(cfg)
     if args.command == "check":

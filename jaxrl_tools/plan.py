@@ -204,7 +204,7 @@ def plan_memory(
             st,
             None,
             num_steps=1,
-            use_filter=False,
+            mode="sample",
             config=model_cfg,
             max_len=cache_len,
             hook=None,

@@ -36,6 +36,7 @@ from jaxrl_tools.models.transformer import (
     logical_axes,
     param_shapes,
     unembed,
+    unstack_layers,
 )
 
 __all__ = [
@@ -72,5 +73,6 @@ __all__ = [
     "rope_inv_freq",
     "save_pretrained",
     "unembed",
+    "unstack_layers",
     "with_lora",
 ]

@@ -87,6 +87,7 @@ def attention(
     impl: str = "auto",
     window: int | None = None,
     chunk: int = CHUNK,
+    kv_heads_first: bool = False,
 ) -> jax.Array:
     """Masked grouped-query attention (see the module docstring for the mask).
 
@@ -102,12 +103,15 @@ def attention(
       impl: one of IMPLS.
       window: sliding window (a query sees the `window` keys ending at its own position).
       chunk: query/key chunk of the chunked path.
+      kv_heads_first: k and v are [B, K, S, Dh] (the KV cache's layout) instead.
 
     Returns:
       out_BTHD in the dtype of `v_BSKD`.
     """
     B, T, H, Dh = q_BTHD.shape
     S, K = k_BSKD.shape[1], k_BSKD.shape[2]
+    if kv_heads_first:
+        K, S = S, K
     if H % K:
         raise ValueError(f"attention: {H} query heads are not a multiple of {K} kv heads")
     packed = segment_ids_BT is not None
@@ -123,6 +127,10 @@ def attention(
         packed=packed,
     )
     seg = None if not packed else segment_ids_BT.astype(jnp.int32)
+    if kv_heads_first:
+        if impl == "dense" and not packed:
+            return _dense_heads_first(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window)
+        k_BSKD, v_BSKD = jnp.swapaxes(k_BSKD, 1, 2), jnp.swapaxes(v_BSKD, 1, 2)
     if impl == "dense":
         return _dense(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window, seg)
     if impl == "chunked":
@@ -164,6 +172,25 @@ def _dense(q, k, v, q_pos_BT, kv_valid_BS, window, seg_BT=None):
     scores = jnp.where(mask_BTS[:, None, None, :, :], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(B, T, H, Dh)
+
+
+def _dense_heads_first(q, k_BKSD, v_BKSD, q_pos_BT, kv_valid_BS, window):
+    # `_dense` over keys and values in the cache's layout, its matmuls written in the operand
+    # order XLA:CPU runs without copying them: scores = q @ k^T and out = probs @ v, batched over
+    # (B, K) with the G query heads of each kv head and the T queries as the matmul's rows.
+    B, T, H, Dh = q.shape
+    K, S = k_BKSD.shape[1], k_BKSD.shape[2]
+    G = H // K
+    mask_BTS = _allowed(q_pos_BT, jnp.arange(S), kv_valid_BS, window)
+    q = q.reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, Dh)
+    batch = ((0, 1), (0, 1))
+    scores = jax.lax.dot_general(
+        q, k_BKSD, (((3,), (3,)), batch), preferred_element_type=jnp.float32
+    ).reshape(B, K, G, T, S)
+    scores = jnp.where(mask_BTS[:, None, None], scores * (Dh**-0.5), NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSD.dtype).reshape(B, K, G * T, S)
+    out = jax.lax.dot_general(probs, v_BKSD, (((3,), (2,)), batch))
+    return out.reshape(B, K, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
 
 
 def _pad_axis(x, axis, size, value=0):

@@ -6,7 +6,9 @@ import jax.numpy as jnp
 
 from jaxrl_tools.sharding import sharded_init
 
-CACHE_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+# Heads before positions: a layer's keys of one row and head are contiguous, in the order the
+# attention matmuls read them (positions first, XLA:CPU transposed every layer's live cache).
+CACHE_AXES = ("layers", "batch", "kv_heads", "cache_length", "head_dim")
 
 
 # A bfloat16 cache is stored as its bits (uint16). XLA's CPU backend widens a bfloat16 scatter
@@ -38,11 +40,11 @@ def from_stored(x: jax.Array) -> jax.Array:
 
 @flax.struct.dataclass
 class KVCache:
-    """Keys and values, each [layers, batch, max_len, kv_heads, head_dim], in storage form
+    """Keys and values, each [layers, batch, kv_heads, max_len, head_dim], in storage form
     (`stored_dtype`: bfloat16 entries are held as uint16 bits; read them with `from_stored`).
 
-    A pytree (jit/donate/shard it like any other). Entry (l, b, s) holds the key/value of the token
-    at absolute position s of the sequence in slot b.
+    A pytree (jit/donate/shard it like any other). Entry (l, b, k, s) holds kv head k of the
+    key/value of the token at absolute position s of the sequence in slot b.
     """
 
     k: jax.Array
@@ -55,7 +57,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def batch(self) -> int:
@@ -89,7 +91,7 @@ def init_cache(
     Returns:
       The KVCache.
     """
-    shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
+    shape = (config.num_hidden_layers, batch, config.num_key_value_heads, max_len, config.head_dim)
     stored = stored_dtype(dtype)
     make = lambda: KVCache(k=jnp.zeros(shape, stored), v=jnp.zeros(shape, stored))
     if mesh is None:

@@ -25,6 +25,12 @@ Parameter tree (D hidden, H heads, K kv heads, Dh head dim, F mlp, V vocab, L la
 LoRA: every function taking `params` also takes a `models.lora.LoraParams`; its adapters are the
 "lora" variable collection ({path}/lora_a, lora_b beside each adapted kernel), added to the
 projections' outputs (`_lora_delta`).
+
+Unstacked layers (`unstack_layers`): "layers" split into one tree per layer, "layers_0", ...,
+which every function also takes; the layers then run one after another instead of in a scan.
+XLA:CPU copies each layer's weights out of the stacked arrays on every scan iteration (the
+slice is not fused into its matmul): a decode step that reads its weights once is cheaper over
+separate arrays. The decode engine serves unstacked copies on CPU.
 """
 
 import functools
@@ -217,15 +223,15 @@ class Attention(nn.Module):
             B = x_BTD.shape[0]
             rows = jnp.arange(B)[:, None]
             ck, cv = cache
-            at = (layer_idx, rows, write_pos_BT)
+            at = (layer_idx, rows, slice(None), write_pos_BT)  # k/v [B, T, K, Dh] go to [B, T]
             # (constrained: left to itself, the partitioner may pick a layout for the written
             # uint16 cache that no mesh axis assignment describes)
             ck = constrain(ck.at[at].set(to_stored(k, ck.dtype), mode="drop"), CACHE_AXES)
             cv = constrain(cv.at[at].set(to_stored(v, cv.dtype), mode="drop"), CACHE_AXES)
             cache = (ck, cv)
             live = mask[1].shape[1]
-            k = from_stored(ck[layer_idx, :, :live]).astype(q.dtype)
-            v = from_stored(cv[layer_idx, :, :live]).astype(q.dtype)
+            k = from_stored(ck[layer_idx, :, :, :live]).astype(q.dtype)  # [B, K, live, Dh]
+            v = from_stored(cv[layer_idx, :, :, :live]).astype(q.dtype)
 
         q_pos_BT, kv_valid_BS, kv_lengths_B, segment_ids_BT = mask
         out = attn_lib.attention(
@@ -237,6 +243,7 @@ class Attention(nn.Module):
             kv_lengths_B=kv_lengths_B,
             segment_ids_BT=segment_ids_BT,
             impl=self.impl,
+            kv_heads_first=cache is not None,
         )
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
         return OutProjection(D, pd, drop, name="o_proj")(out), cache
@@ -289,6 +296,7 @@ class Decoder(nn.Module):
     remat: bool | str = False  # REMAT_POLICIES name (True: "layer"); see `hidden_states`
     attention: str = "auto"  # a `models.attention.IMPLS` name
     lora_dropout: float = 0.0  # adapter input dropout (needs a "dropout" rng; `models.lora`)
+    stacked: bool = True  # False: the layers' params are "layers_0", ... (`unstack_layers`)
 
     @nn.compact
     def __call__(self, ids_BT, positions_BT, mask, cache=None, write_pos_BT=None):
@@ -320,6 +328,11 @@ class Decoder(nn.Module):
                 prevent_cse=False,
                 policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
             )
+        if not self.stacked:  # one module per layer, run in order: no per-layer weight slices
+            for i in range(cfg.num_hidden_layers):
+                layer = layer_cls(cfg, pd, self.attention, self.lora_dropout, name=f"layers_{i}")
+                (h, cache), _ = layer((h, cache), i, cos, sin, mask, write_pos_BT)
+            return self._final(h), cache
         layers = nn.scan(
             layer_cls,
             # Adapters ("lora", `models.lora`) are stacked over layers like the params.
@@ -332,12 +345,16 @@ class Decoder(nn.Module):
         (h, cache), _ = layers(
             (h, cache), jnp.arange(cfg.num_hidden_layers), cos, sin, mask, write_pos_BT
         )
+        return self._final(h), cache
+
+    def _final(self, h):
+        cfg, pd = self.config, self.param_dtype
         h = RMSNorm(cfg.rms_norm_eps, "embed", pd, name="final_norm")(h)
         if not cfg.tie_word_embeddings:  # created here, applied by `forward` (see `unembed`)
             Weight(
                 (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), "kernel", pd, name="lm_head"
             )()
-        return h, cache
+        return h
 
 
 def _self_mask(attention_mask_BT, right_padded: bool = False, packed: bool = False):
@@ -432,9 +449,25 @@ def _apply(
         if lora_dropout > 0:
             rngs = {"dropout": params.dropout_key}
     dtype = params["embed"]["embedding"].dtype
-    return Decoder(config, dtype, remat, attention, lora_dropout).apply(
+    stacked = "layers_0" not in variables["params"]
+    return Decoder(config, dtype, remat, attention, lora_dropout, stacked).apply(
         variables, ids_BT, positions_BT, mask, cache, write_pos_BT, rngs=rngs
     )
+
+
+def unstack_layers(params: Params) -> Params:
+    """`params` (or a `LoraParams`, base and adapters) with "layers" split into "layers_0", ...:
+    one tree per layer, each array a copy (jit it: see the module docstring for why)."""
+    if isinstance(params, LoraParams):
+        return params.replace(
+            base=unstack_layers(params.base), adapters=unstack_layers(params.adapters)
+        )
+    params = dict(params)
+    stacked = params.pop("layers")
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    for i in range(n):
+        params[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    return params
 
 
 def default_positions(attention_mask_BT: jax.Array) -> jax.Array:
@@ -580,7 +613,7 @@ def forward_cached(
       (logits float32, the updated cache): logits_BTV, or logits_BV with `logits_at_B`.
     """
     B, T = tokens_BT.shape
-    S = cache.k.shape[2]
+    S = cache.max_len
     positions_BT = positions_BT.astype(jnp.int32)
     if valid_BT is None:
         valid_BT = jnp.ones((B, T), bool)

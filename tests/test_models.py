@@ -192,7 +192,7 @@ def test_cache_chunks_at_explicit_positions_rows_of_different_lengths(loaded):
         np.testing.assert_allclose(out3[b, 0], ref[n + 4], atol=1e-4)
     # Nothing was written past each row's last position.
     for b, n in enumerate(lens):
-        assert not np.asarray(cache.k[:, b, n + 5 :]).any()
+        assert not np.asarray(cache.k[:, b, :, n + 5 :]).any()
 
     # A prefill that asks only for each row's last logits gets those, and the same cache.
     def prefill(**kwargs):
@@ -210,11 +210,44 @@ def test_cache_chunks_at_explicit_positions_rows_of_different_lengths(loaded):
     np.testing.assert_array_equal(cache_last.k, cache_full.k)
 
 
+@pytest.mark.parametrize("name", ["qwen2-4:2-tied", "qwen3-4:1-untied"])
+def test_unstacked_layers_give_the_same_logits_and_cache(loaded, name):
+    """Params with one tree per layer (what the engine decodes with on CPU) run the same model:
+    a full forward, and a prefill then two decode steps against the cache."""
+    _, _, config, params = loaded(name)
+    flat = jax.jit(M.unstack_layers)(params)
+    assert "layers" not in flat and len([k for k in flat if k.startswith("layers_")]) == 2
+    np.testing.assert_array_equal(
+        flat["layers_1"]["mlp"]["up_proj"]["kernel"],
+        params["layers"]["mlp"]["up_proj"]["kernel"][1],
+    )
+    _, ids, mask = _left_padded(LENGTHS, T)
+    np.testing.assert_allclose(
+        FWD(config, flat, ids, attention_mask=mask),
+        FWD(config, params, ids, attention_mask=mask),
+        atol=1e-5,
+    )
+    runs = []
+    for p in (params, flat):  # the cache is donated: keep the logits and the last cache
+        pos = np.broadcast_to(np.arange(20), (3, 20))
+        logits, cache = CACHED(config, p, ids[:, :20], pos, M.init_cache(config, 3, 24))
+        steps = [logits]
+        for t in (20, 21):
+            logits, cache = CACHED(config, p, ids[:, t : t + 1], np.full((3, 1), t), cache)
+            steps.append(logits)
+        runs.append((steps, cache))
+    (steps_a, cache_a), (steps_b, cache_b) = runs
+    for a, b in zip(steps_a, steps_b):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    np.testing.assert_allclose(cache_a.k, cache_b.k, atol=1e-5)
+    np.testing.assert_allclose(cache_a.v, cache_b.v, atol=1e-5)
+
+
 def test_cache_axes_and_shapes():
     config = M.ModelConfig("qwen2", 256, 64, 128, 2, 4, 2, 16, attention_bias=True)
     cache = M.init_cache(config, 3, 7, dtype=jnp.bfloat16)
-    assert cache.k.shape == (2, 3, 7, 2, 16) and cache.dtype == jnp.bfloat16
-    assert M.cache_axes().k == ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+    assert cache.k.shape == (2, 3, 2, 7, 16) and cache.dtype == jnp.bfloat16
+    assert M.cache_axes().k == ("layers", "batch", "kv_heads", "cache_length", "head_dim")
 
 
 def test_bf16_cache_writes_in_place():

@@ -6,11 +6,14 @@ import numpy as np
 import pytest
 
 from jaxrl_tools.rollout.sampling import (
+    MODES,
     SamplingParams,
+    argmax_first,
     draw_categorical,
     filter_logits,
     sample_tokens,
     split_keys,
+    widest_mode,
 )
 
 V = 8
@@ -22,14 +25,14 @@ def _keys(n, seed=0):
 
 def _draw(logits_V, n, temperature=1.0, top_k=0, top_p=1.0, seed=0):
     logits_BV = jnp.broadcast_to(jnp.asarray(logits_V, jnp.float32), (n, V))
-    fn = jax.jit(sample_tokens, static_argnames="use_filter")
+    fn = jax.jit(sample_tokens, static_argnames="mode")
     return fn(
         logits_BV,
         _keys(n, seed),
         jnp.full((n,), temperature, jnp.float32),
         jnp.full((n,), top_k, jnp.int32),
         jnp.full((n,), top_p, jnp.float32),
-        use_filter=top_k > 0 or top_p < 1.0,
+        mode=SamplingParams(temperature, top_k, top_p).mode,
     )
 
 
@@ -41,6 +44,23 @@ def test_greedy_is_argmax_and_logprob():
     assert np.all(np.asarray(tok) == int(np.argmax(LOGITS)))
     ref = jax.nn.log_softmax(LOGITS)[np.argmax(LOGITS)]
     np.testing.assert_allclose(np.asarray(lp), ref, rtol=1e-6)
+
+
+def test_greedy_mode_equals_greedy_rows_of_the_other_modes():
+    """The argmax-only step ("greedy", every slot greedy) gives what the sampling steps give
+    their greedy rows, bit for bit; `argmax_first` is `jnp.argmax`, ties included."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 300)).astype(np.float32)
+    logits[1, [5, 40, 299]] = logits[1].max() + 1  # a tie: the first one wins
+    logits[2, -1] = logits[2].max() + 1  # the last entry
+    args = (jnp.zeros(6), jnp.zeros(6, jnp.int32), jnp.ones(6))
+    outs = [sample_tokens(logits, _keys(6), *args, mode=m) for m in MODES]
+    for tok, lp in outs[1:]:
+        np.testing.assert_array_equal(tok, outs[0][0])
+        np.testing.assert_array_equal(lp, outs[0][1])
+    np.testing.assert_array_equal(outs[0][0], np.argmax(logits, axis=-1))
+    np.testing.assert_array_equal(argmax_first(jnp.asarray(logits)), np.argmax(logits, axis=-1))
+    assert widest_mode(["greedy", "filter", "sample"]) == "filter" and widest_mode([]) == "greedy"
 
 
 def test_temperature_one_matches_softmax_chi_square():
@@ -110,7 +130,7 @@ def test_per_slot_keys_are_independent_and_reproducible():
     toks = []
     for _ in range(10):
         keys, use = split_keys(keys)
-        t, _ = sample_tokens(logits_BV, use, *args, use_filter=False)
+        t, _ = sample_tokens(logits_BV, use, *args, mode="sample")
         toks.append(np.asarray(t))
     toks = np.stack(toks)
     np.testing.assert_array_equal(toks[:, 0], toks[:, 1])

@@ -32,7 +32,7 @@ from jaxrl_tools.rollout.kernels import (
     prefill_kernel,
     write_kernel,
 )
-from jaxrl_tools.rollout.sampling import SamplingParams
+from jaxrl_tools.rollout.sampling import SamplingParams, widest_mode
 from jaxrl_tools.sharding.distributed import to_host
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,9 @@ def _on_mesh(params: Params, mesh) -> bool:
 @functools.partial(jax.jit, static_argnums=1)
 def _cast_jit(params, dtype: str):
     return models.cast_floating(params, dtype)
+
+
+_unstack_jit = jax.jit(models.unstack_layers)
 
 
 class EngineCore:
@@ -85,6 +88,10 @@ class EngineCore:
       live_attention: decode and append steps attend only over the live part of the cache (a
         power-of-two bucket above the longest active row), so a step's cost follows the live
         length, not max_len. False: every step reads whole rows (the old engine; benchmarks).
+      unstack_layers: serve a copy of the params with one array per layer
+        (`models.unstack_layers`), made once per new params object: XLA:CPU copies every
+        layer's weights out of the stacked arrays on each decode step. None: on CPU only (one
+        more copy of the weights, where models are small).
     """
 
     def __init__(
@@ -108,6 +115,7 @@ class EngineCore:
         hook_data: Any = None,
         eos_token_ids: Sequence[int] | None = None,
         live_attention: bool = True,
+        unstack_layers: bool | None = None,
     ):
         if max_prefill_length < 16 or max_prefill_length & (max_prefill_length - 1):
             raise ValueError(
@@ -129,6 +137,9 @@ class EngineCore:
             cache_dtype if cache_dtype is not None else (dtype if dtype is not None else "float32")
         )
         self.live_attention = bool(live_attention)
+        if unstack_layers is None:
+            unstack_layers = jax.default_backend() == "cpu"
+        self.unstack_layers = bool(unstack_layers)
         self._served: tuple[Any, Any] | None = None  # (params given, their serving copy)
         self.default_sampling = sampling or SamplingParams()
         self.seed = seed
@@ -137,8 +148,9 @@ class EngineCore:
         self.hook_data = hook_data
         self.eos_token_ids = tuple(self._default_eos() if eos_token_ids is None else eos_token_ids)
         self._request_counter = 0
-        # Host mirror of which slots need the top-k/top-p sort (a static flag of the decode jit).
-        self._slot_filter = [False] * self.slots
+        # Host mirror of each slot's sampling mode (`sampling.MODES`): the decode jit's static
+        # mode is the widest among the active slots. A slot never set samples at temperature 1.
+        self._slot_mode = ["sample"] * self.slots
         self._build_jits()
         log.info(
             "KV cache: %d slots x %d positions, %s: %.3f GiB",
@@ -154,9 +166,10 @@ class EngineCore:
         return models.cache_bytes(self.config, self.slots, self.max_len, self.cache_dtype)
 
     def serving_params(self, params: Params) -> Params:
-        """`params` as the engine serves them: in the serving dtype and on the engine's mesh.
-        Cast (the cast keeps each array's sharding) and resharded once per new params object, so
-        the rollout of an RL step does it once; the params themselves when nothing changes."""
+        """`params` as the engine serves them: in the serving dtype, on the engine's mesh and
+        (`unstack_layers`) one array per layer. Cast (the cast keeps each array's sharding),
+        resharded and unstacked once per new params object, so the rollout of an RL step does it
+        once; the params themselves when nothing changes."""
         if params is None:
             return params
         if self._served is not None:
@@ -171,6 +184,8 @@ class EngineCore:
                 models.logical_axes(self.config), self._mesh, self.rules, shapes=served
             )
             served = jax.device_put(served, shardings)
+        if self.unstack_layers:
+            served = _unstack_jit(served)
         if served is not params:
             self._served = (params, served)
         return served
@@ -261,7 +276,7 @@ class EngineCore:
             mesh=self._mesh,
             **({"rules": self.rules} if self.rules is not None else {}),
         )
-        self._slot_filter = [False] * B
+        self._slot_mode = ["sample"] * B
         return DecodeState(
             cache=cache,
             lengths=jnp.zeros((B,), jnp.int32),
@@ -300,12 +315,12 @@ class EngineCore:
         )
         self._insert_jit = insert_kernel
         self._write_jit = functools.partial(write_kernel, config=self.config)
-        self._generate_jit = lambda params, state, n, use_filter, attend_len: generate_kernel(
+        self._generate_jit = lambda params, state, n, mode, attend_len: generate_kernel(
             params,
             state,
             self.hook_data,
             num_steps=n,
-            use_filter=use_filter,
+            mode=mode,
             config=statics["config"],
             max_len=statics["max_len"],
             hook=statics["hook"],
@@ -391,9 +406,9 @@ class EngineCore:
         """
         if rng is not None:
             prefix = prefix.replace(key=jnp.asarray(rng))
-        self._slot_filter[slot] = bool(
-            float(prefix.temperature) > 0 and (int(prefix.top_k) > 0 or float(prefix.top_p) < 1)
-        )
+        self._slot_mode[slot] = SamplingParams(
+            float(prefix.temperature), int(prefix.top_k), float(prefix.top_p)
+        ).mode
         return self._insert_jit(prefix, decode_state, jnp.int32(slot))
 
     def generate_steps(
@@ -419,9 +434,9 @@ class EngineCore:
         n = self.steps_per_generate if num_steps is None else int(num_steps)
         if active is not None:
             decode_state = decode_state.replace(active=jnp.asarray(active, bool))
-            use_filter = any(f for f, a in zip(self._slot_filter, active) if a)
+            mode = widest_mode(m for m, a in zip(self._slot_mode, active) if a)
         else:
-            use_filter = any(self._slot_filter)
+            mode = widest_mode(self._slot_mode)
         attend_len = None
         if self.live_attention:
             # The lengths are read back (a few bytes; the caller reads this call's tokens anyway).
@@ -429,9 +444,7 @@ class EngineCore:
             lengths = to_host(decode_state.lengths)  # a collective when rows span processes
             longest = int(lengths[act].max()) if act.any() else 0
             attend_len = self._attend_len(longest + n)
-        return self._generate_jit(
-            self.serving_params(params), decode_state, n, use_filter, attend_len
-        )
+        return self._generate_jit(self.serving_params(params), decode_state, n, mode, attend_len)
 
     # ------------------------------------------------------------------ host-side helpers
     def write_slots(
@@ -501,7 +514,7 @@ class EngineCore:
             for i, (key, sp) in enumerate(reset):
                 keys[i] = np.asarray(key, np.uint32)
                 temp[i], topk[i], topp[i] = sp.temperature, sp.top_k, sp.top_p
-                self._slot_filter[slots[i]] = sp.needs_filter
+                self._slot_mode[slots[i]] = sp.mode
             rs = tuple(jnp.asarray(x) for x in (keys, temp, topk, topp))
         return self._write_jit(
             self.serving_params(params),

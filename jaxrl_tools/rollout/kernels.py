@@ -196,7 +196,7 @@ def write_kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("num_steps", "use_filter", "config", "max_len", "hook", "attend_len"),
+    static_argnames=("num_steps", "mode", "config", "max_len", "hook", "attend_len"),
     donate_argnums=(1,),
 )
 def generate_kernel(
@@ -205,7 +205,7 @@ def generate_kernel(
     hook_data,
     *,
     num_steps,
-    use_filter,
+    mode,
     config,
     max_len,
     hook,
@@ -221,7 +221,7 @@ def generate_kernel(
         if hook is not None:
             logits_BV = hook(logits_BV, st.sampled, hook_data)
         tok_B, lp_B = sample_tokens(
-            logits_BV, keys_use, st.temperature, st.top_k, st.top_p, use_filter=use_filter
+            logits_BV, keys_use, st.temperature, st.top_k, st.top_p, mode=mode
         )
         # Inactive rows are not written (valid=0) and keep their length, logits and key.
         new_logits, cache = _fwd(

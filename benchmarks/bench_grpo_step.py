@@ -275,8 +275,18 @@ def main():
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate and our decode")
     ap.add_argument("--decode-repeats", type=int, default=3)
     ap.add_argument("--json", default=None, help="also write the figures to this file")
+    ap.add_argument("--system-malloc", action="store_true", help="glibc's default malloc settings")
     args = ap.parse_args()
     peer_dir = os.path.abspath(args.peer_dir)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from roofline import Roofline
+
+    from jaxrl_tools import host
+
+    if not args.system_malloc:
+        host.keep_freed_memory()  # as `jaxrl-tools` runs on CPU
+    roof = Roofline.measure()
+    print(roof.describe(), flush=True)
 
     t_setup = time.perf_counter()
     peer = load_peer_workload(peer_dir)
@@ -408,6 +418,17 @@ def main():
             f"{name:38s} {s:7.3f} {g:9.3f} {rest:7.3f} {s / o_step:11.2f} {g / o_gen:10.2f} "
             f"{rest / o_rest:11.2f}  {note}"
         )
+    # The step's FLOP floor: 2 x weights per generated (and prompt) token, 6 x weights per token
+    # of the update (forward and backward); the tied embedding counts once, as the LM head.
+    n_mm = sum(x.size for x in jax.tree.leaves(ours.trainer.params))
+    rows_n = P_PROMPTS * G
+    flops = 2 * n_mm * rows_n * (PROMPT_TOKENS + NEW_TOKENS)
+    flops += 6 * n_mm * rows_n * (PROMPT_TOKENS + NEW_TOKENS)
+    floor = roof.floor_s(flops, 16 * n_mm)
+    print(
+        f"ours against the floor: {floor:.2f} s ({flops / 1e12:.2f} TFLOP at the matmul rate); "
+        f"median step {o_step / floor:.2f}x the floor, best {o_min / floor:.2f}x"
+    )
     comp = [r["step_s"] for r in warm[:1]]
     print(
         f"ours compile/first step: {comp[0] if comp else float('nan'):.2f}s "

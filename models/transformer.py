@@ -34,6 +34,7 @@ separate arrays. The decode engine serves unstacked copies on CPU.
 """
 
 import functools
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -103,6 +104,16 @@ class Weight(nn.Module):
         )
 
 
+def _matmul(x, kernel, n_in: int):
+    """x[..., *in] @ kernel[*in, *out] (n_in contracted axes) as one [rows, in] @ [in, out]
+    matmul. Left as a >2-D contraction inside the layer scan, XLA:CPU wrote the backward pass's
+    elementwise outputs transposed for it: the GRPO update's MLP gradients took 2x as long."""
+    n_out = kernel.ndim - n_in
+    rows = x.reshape(-1, math.prod(kernel.shape[:n_in]))
+    y = rows @ kernel.reshape(rows.shape[1], -1)
+    return y.reshape(*x.shape[: x.ndim - n_in], *kernel.shape[kernel.ndim - n_out :])
+
+
 class RMSNorm(nn.Module):
     """RMS norm as in transformers: normalise in float32, cast back, then scale."""
 
@@ -140,7 +151,7 @@ class Projection(nn.Module):
             self.axes,
             self.param_dtype,
         )
-        y = jnp.tensordot(x, kernel.astype(x.dtype), axes=((x.ndim - 1,), (0,)))
+        y = _matmul(x, kernel.astype(x.dtype), 1)
         delta = _lora_delta(self, x, 1)
         if delta is not None:
             y = y + delta
@@ -170,7 +181,7 @@ class OutProjection(nn.Module):
             ("heads", "head_dim", "embed"),
             self.param_dtype,
         )
-        y = jnp.einsum("bthk,hkd->btd", x_BTHK, kernel.astype(x_BTHK.dtype))
+        y = _matmul(x_BTHK, kernel.astype(x_BTHK.dtype), 2)
         delta = _lora_delta(self, x_BTHK, 2)
         return y if delta is None else y + delta
 
@@ -449,10 +460,15 @@ def _apply(
         if lora_dropout > 0:
             rngs = {"dropout": params.dropout_key}
     dtype = params["embed"]["embedding"].dtype
-    stacked = "layers_0" not in variables["params"]
+    stacked = has_stacked_layers(variables["params"])
     return Decoder(config, dtype, remat, attention, lora_dropout, stacked).apply(
         variables, ids_BT, positions_BT, mask, cache, write_pos_BT, rngs=rngs
     )
+
+
+def has_stacked_layers(params: Params) -> bool:
+    """Whether `params` (or a `LoraParams`) hold their layers stacked ("layers"), not unstacked."""
+    return "layers" in (params.base if isinstance(params, LoraParams) else params)
 
 
 def unstack_layers(params: Params) -> Params:

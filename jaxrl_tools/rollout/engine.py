@@ -173,7 +173,7 @@ class EngineCore:
         if params is None:
             return params
         if self._served is not None:
-            if self._served[0] is params:
+            if params is self._served[0] or params is self._served[1]:  # (the copy handed back)
                 return self._served[1]
             self._served = None  # drop the previous copy before making the next
         served = params
@@ -184,7 +184,7 @@ class EngineCore:
                 models.logical_axes(self.config), self._mesh, self.rules, shapes=served
             )
             served = jax.device_put(served, shardings)
-        if self.unstack_layers:
+        if self.unstack_layers and models.has_stacked_layers(served):
             served = _unstack_jit(served)
         if served is not params:
             self._served = (params, served)

@@ -3,7 +3,7 @@
 XLA:CPU takes each executable's temporaries from malloc on every call. glibc serves blocks above
 its mmap threshold (at most 32 MiB by default) with fresh pages from the kernel and hands them
 back on free, so every decode step paid page faults and page zeroing for its temporaries:
-copying the live KV cache of one layer ran at ~2-3 GB/s instead of the machine's ~30.
+copying the live KV cache of one layer ran at ~2 GB/s instead of the machine's ~30.
 `keep_freed_memory` keeps that memory in malloc's heap for the next call instead.
 """
 

@@ -70,6 +70,13 @@ class Roofline:
         and every weight (`itemsize` bytes each) plus the live KV cache read once."""
         return self.floor_s(2 * matmul_weights * batch, matmul_weights * itemsize + kv_bytes)
 
+    def grpo_step_floor_s(self, weights: int, rows: int, tokens: int) -> float:
+        """The FLOP floor of a GRPO step (one update per batch) over `rows` sequences of `tokens`
+        (prompt + response): 2 x weights per token to generate (prefill included), 6 x weights
+        per token for the update's forward and backward; 16 bytes per weight (weights,
+        gradients, Adam's moments) is the bandwidth side."""
+        return self.floor_s(8 * weights * rows * tokens, 16 * weights)
+
     def describe(self) -> str:
         return (
             f"roofline: matmul {self.flops_per_s / 1e9:,.0f} GFLOP/s, read "

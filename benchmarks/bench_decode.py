@@ -26,15 +26,10 @@ import numpy as np
 def build_model(path):
     import torch
     import transformers
+    from shapes import PEER_QWEN2
 
     cfg = transformers.Qwen2Config(
-        vocab_size=8192,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
+        **{k: v for k, v in PEER_QWEN2.items() if k != "model_type"},
         max_position_embeddings=2048,
         eos_token_id=None,
         bos_token_id=None,

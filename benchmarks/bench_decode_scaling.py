@@ -25,23 +25,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roofline import Roofline  # noqa: E402
+from shapes import PEER_QWEN2  # noqa: E402
 
 from jaxrl_tools import host, models  # noqa: E402
 from jaxrl_tools.rollout.engine import EngineCore  # noqa: E402
 from jaxrl_tools.rollout.kernels import next_pow2  # noqa: E402
 from jaxrl_tools.rollout.sampling import GREEDY  # noqa: E402
 
-CONFIG = models.ModelConfig(
-    model_type="qwen2",
-    vocab_size=8192,
-    hidden_size=384,
-    intermediate_size=1024,
-    num_hidden_layers=6,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    head_dim=64,
-    tie_word_embeddings=True,
-)
+CONFIG = models.ModelConfig.from_hf(PEER_QWEN2)
 
 
 def step_seconds(params, batch: int, prompt_len: int, steps: int) -> float:

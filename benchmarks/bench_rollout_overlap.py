@@ -28,6 +28,7 @@ def main():
 
     import jax
     import jax.numpy as jnp
+    from shapes import PEER_QWEN2
 
     from jaxrl_tools import models
     from jaxrl_tools.demo.tokenizer import build_tokenizer
@@ -38,17 +39,7 @@ def main():
 
     tmp = tempfile.mkdtemp()
     tok = build_tokenizer(f"{tmp}/tok", vocab_size=512)
-    config = models.ModelConfig(
-        model_type="qwen2",
-        vocab_size=len(tok),
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=64,
-        tie_word_embeddings=True,
-    )
+    config = models.ModelConfig.from_hf(dict(PEER_QWEN2, vocab_size=len(tok)))
     params = models.init_params(config, jax.random.PRNGKey(0))
     enc = lambda s: tok.encode(s, add_special_tokens=False)
 

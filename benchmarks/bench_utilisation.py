@@ -156,13 +156,13 @@ def main():
         f"{flops / step_s / 1e9:,.0f} GFLOP/s = {util:.0%} of the matmul floor "
         f"({roof.floor_s(flops, moved):.2f} s)"
     )
-    bytes_w = n_mm * dtype.itemsize  # the tied embedding is read once, as the LM head
     for batch in (int(b) for b in args.decode_batches.split(",")):
         live = 32 + args.new_tokens // 2  # mean live length over the timed steps
         kv = models.cache_bytes(cfg, batch, live, dtype)
         step = time_decode(cfg, params, dtypes, batch, args.new_tokens, 32)
-        f_dec, b_dec = 2 * n_mm * batch, bytes_w + kv
-        floor = roof.decode_floor_s(n_mm, dtype.itemsize, batch, kv)
+        # The tied embedding is read once, as the LM head.
+        f_dec, b_dec = roof.decode_work(n_mm, dtype.itemsize, batch, kv)
+        floor = roof.floor_s(f_dec, b_dec)
         bound = "bandwidth" if b_dec / roof.bytes_per_s > f_dec / roof.flops_per_s else "matmul"
         print(
             f"decode batch {batch}: {step * 1e3:.1f} ms/step = {batch / step:,.0f} tokens/s, "

@@ -65,10 +65,15 @@ class Roofline:
         """floor / measured time: 1.0 is the roofline."""
         return self.floor_s(flops, bytes_moved) / seconds
 
+    @staticmethod
+    def decode_work(matmul_weights: int, itemsize: int, batch: int, kv_bytes: int):
+        """(FLOPs, bytes) of one decode step of `batch` tokens: 2 x matmul weights FLOPs per
+        token, and every weight (`itemsize` bytes each) plus the live KV cache read once."""
+        return 2 * matmul_weights * batch, matmul_weights * itemsize + kv_bytes
+
     def decode_floor_s(self, matmul_weights: int, itemsize: int, batch: int, kv_bytes: int):
-        """The floor of one decode step of `batch` tokens: 2 x matmul weights FLOPs per token,
-        and every weight (`itemsize` bytes each) plus the live KV cache read once."""
-        return self.floor_s(2 * matmul_weights * batch, matmul_weights * itemsize + kv_bytes)
+        """The floor of one decode step (`decode_work`)."""
+        return self.floor_s(*self.decode_work(matmul_weights, itemsize, batch, kv_bytes))
 
     def grpo_step_floor_s(self, weights: int, rows: int, tokens: int) -> float:
         """The FLOP floor of a GRPO step (one update per batch) over `rows` sequences of `tokens`

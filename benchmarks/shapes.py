@@ -4,6 +4,18 @@ share their base model's shapes."""
 
 QWEN25 = dict(model_type="qwen2", rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768)
 
+# The model of the peers' standard workload (shared/bench/peers/README.md), random weights.
+PEER_QWEN2 = dict(
+    model_type="qwen2",
+    vocab_size=8192,
+    hidden_size=384,
+    intermediate_size=1024,
+    num_hidden_layers=6,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
+
 CONFIG_JSON = {
     "qwen2.5-32b": dict(
         QWEN25,

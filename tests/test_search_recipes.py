@@ -12,8 +12,11 @@ import bm25s
 import numpy as np
 import pytest
 
+from jaxrl_tools.check import open_tokenizer
+from jaxrl_tools.config_loader import load_config
 from jaxrl_tools.datasets import search_qa, sql_qa
 from jaxrl_tools.datasets.contamination import filter_contaminated
+from jaxrl_tools.demo.task import tokenizer_texts
 from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.rewards import get_reward, qa_correct
 from jaxrl_tools.tools import create_tool, get_parser
@@ -88,11 +91,29 @@ def test_shipped_sft_traces_show_what_the_tool_returns(shipped_index):
         segs = t["segments"]
         assert segs[0][1] is False and segs[0][0].endswith("<|im_start|>assistant\n")
         for (call, trained), (obs, obs_trained) in zip(segs[1:-1:2], segs[2:-1:2]):
-            query = call.removeprefix("<search>").removesuffix("</search>")
+            query = call.removeprefix("<search> ").removesuffix(" </search>")
             assert trained and not obs_trained
             want = arun(tool.call({"query": query})).text
             assert obs == parser.format_observation([want])
-        assert segs[-1][1] and segs[-1][0].startswith("<answer>")
+        assert segs[-1][1] and segs[-1][0].startswith("<answer> ")
+
+
+def test_demo_tokenizer_reads_the_corpus_names_whole(tmp_path, monkeypatch):
+    """The search demo's tokenizer is trained on the corpus passages too: an invented name is
+    at most two tokens, the same ones in the question, the query and the passage (what a tiny
+    policy copies)."""
+    monkeypatch.chdir(ROOT)  # the recipe's data paths are relative to the repository
+    cfg = load_config("configs/search_demo.yaml", [f"tokenizer.path={tmp_path / 'tok'}"])
+    texts = tokenizer_texts(cfg)
+    assert len(texts) == len(read_jsonl(SHIPPED / "corpus.jsonl"))
+    tok = open_tokenizer(cfg)
+    trace = read_jsonl(SHIPPED / "sft_traces.jsonl")
+    searched = next(t for t in trace if t["uses_search"] and t["id"].startswith("birthplace"))
+    name = searched["id"].split(":")[1]
+    ids = tok.encode(" " + name)
+    assert len(ids) <= 4  # two words, each at most two tokens
+    for text, _ in searched["segments"][:3]:  # the question, the query, the passage
+        assert " ".join(map(str, ids)) in " ".join(map(str, tok.encode(text))), text
 
 
 # ------------------------------------------------------------------ streaming BM25 index

@@ -249,11 +249,13 @@ def trace_messages(record: dict, search, protocol: str = "search_r1", use_search
     """
     parser = get_parser(protocol)
     pieces: list[tuple[str, bool]] = []
+    # Spaces inside the tags, as Search-R1's prompt writes them: a name is then the same
+    # tokens in the question, the passage and the call (" Moran", not "Moran").
     if use_search:
         for q in record["queries"]:
-            pieces.append((f"<search>{q}</search>", True))
+            pieces.append((f"<search> {q} </search>", True))
             pieces.append((parser.format_observation([search(q)]), False))
-    pieces.append((f"<answer>{record['golden_answers'][0]}</answer>", True))
+    pieces.append((f"<answer> {record['golden_answers'][0]} </answer>", True))
     return pieces
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxrl_tools.check import open_tokenizer
+from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import load_config
 from jaxrl_tools.datasets import search_qa, sql_qa
 from jaxrl_tools.datasets.contamination import filter_contaminated
@@ -114,6 +115,11 @@ def test_demo_tokenizer_reads_the_corpus_names_whole(tmp_path, monkeypatch):
     assert len(ids) <= 4  # two words, each at most two tokens
     for text, _ in searched["segments"][:3]:  # the question, the query, the passage
         assert " ".join(map(str, ids)) in " ".join(map(str, tok.encode(text))), text
+    bad = tmp_path / "corpus.jsonl"
+    bad.write_text('{"id": "a", "text": "A passage."}\n{"id": "b"}\n')
+    tools = f"tools=[{{class: search, config: {{corpus_path: {bad}, top_k: 1}}}}]"
+    with pytest.raises(ConfigError, match=r"tools\[0\].config.corpus_path: .*corpus.jsonl:2: "):
+        tokenizer_texts(load_config("configs/search_demo.yaml", [tools]))
 
 
 # ------------------------------------------------------------------ streaming BM25 index

@@ -20,7 +20,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from jaxrl_tools.config import DataSection, SFTSection
+from jaxrl_tools.config import ConfigError, DataSection, SFTSection
 from jaxrl_tools.demo import function_calling, grid_games
 from jaxrl_tools.rollout import declares_tools
 from jaxrl_tools.tools import PythonTool, get_parser
@@ -320,11 +320,14 @@ def tokenizer_texts(cfg) -> list[str]:
     if cfg.data.task == "function_calling":
         return function_calling.tokenizer_texts()
     texts: list[str] = []
-    for spec in cfg.tools:
+    for i, spec in enumerate(cfg.tools):
         corpus = spec.config.get("corpus_path")
         if corpus and Path(corpus).is_file():
             passages = islice(iter_passages(corpus), CORPUS_TOKENIZER_TEXTS)
-            texts += [f"{p.title} {p.text}" for _, p in passages]
+            try:
+                texts += [f"{p.title} {p.text}" for _, p in passages]
+            except ValueError as e:  # a malformed line: file:line and what a passage needs
+                raise ConfigError(f"tools[{i}].config.corpus_path: {e}") from None
     return texts
 
 

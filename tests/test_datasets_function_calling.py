@@ -2,6 +2,9 @@
 format, Tool-N1's preprocessing, and the call metrics by hand."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -138,6 +141,25 @@ def test_generated_records_are_valid_varied_and_deterministic():
         for c in r["ground_truth"]:  # the request names every argument value it asks for
             for v in c["arguments"].values():
                 assert str(v) in r["prompt"][-1]["content"], (c, r["prompt"])
+
+
+def test_generated_records_are_the_same_in_every_process():
+    # Argument order too: it is the order of the call's JSON in SFT traces and tokenizer texts.
+    code = "import json; from jaxrl_tools.datasets import generate; print(json.dumps(generate(300, 0)))"
+    out = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True, text=True, check=True,
+        ).stdout
+        for seed in ("1", "2", "3")
+    }  # fmt: skip
+    assert len(out) == 1
+    for rec in json.loads(out.pop()):
+        for call in rec["ground_truth"]:
+            decl = next(t for t in rec["tools"] if t["function"]["name"] == call["name"])
+            order = list(decl["function"]["parameters"]["properties"])
+            assert list(call["arguments"]) == [a for a in order if a in call["arguments"]]
 
 
 def test_generator_options_tools_shown_and_short_schemas():

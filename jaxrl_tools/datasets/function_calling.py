@@ -188,8 +188,13 @@ def generate(
             args = draw(rng)
             template = rng.choice(simple + full)
             used = set(re.findall(r"{(\w+)}", template))
+            # In the declaration's order: a set's order changes with PYTHONHASHSEED.
+            order = decl["function"]["parameters"]["properties"]
             calls.append(
-                {"name": decl["function"]["name"], "arguments": {a: args[a] for a in used}}
+                {
+                    "name": decl["function"]["name"],
+                    "arguments": {a: args[a] for a in order if a in used},
+                }
             )
             requests.append(template.format(**args))
         others = [i for i in range(len(_CATALOG)) if i not in picks]

@@ -148,12 +148,11 @@ def test_task_records_and_imperfect_sft_traces(qwen_tok):
     for rec in train:  # a complete answer in ToolRL's format scores full marks (no call: 1 + 0)
         full = 4.0 if rec["ground_truth"] else 1.0
         assert toolrl(fc.toolrl_answer(rec["ground_truth"]), rec["ground_truth"]) == full
-    # Imperfect traces: with tool_mix 0.4 about 60% of two-call requests keep one call, either.
+    # Imperfect traces: with tool_mix 0.4 about 60% of two-call requests keep only one call.
     rng = random.Random(0)
     two = [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"unit": "celsius"}}]
-    kept = [[c["name"] for c in fc.imperfect_calls(two, rng, 0.4)] for _ in range(2000)]
-    assert 0.55 < sum(len(k) == 1 for k in kept) / 2000 < 0.65
-    assert 0.4 < kept.count(["a"]) / kept.count(["b"]) < 2.5
+    kept = [len(fc.imperfect_calls(two, rng, 0.4)) for _ in range(2000)]
+    assert 0.55 < kept.count(1) / 2000 < 0.65
     assert fc.imperfect_calls(two, rng, 1.0) == two
     traces = fc.task_sft_traces(data, SFTSection(num_traces=8, tool_mix=0.4), qwen_tok)
     for (prompt, p_train), (answer, a_train) in traces:

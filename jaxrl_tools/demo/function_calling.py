@@ -12,7 +12,7 @@ A trace answers in ToolRL's format (what the `toolrl` reward's format check want
 
 or, when no tool fits, `<think>No tool is needed.</think>\\n<response>...</response>`. The SFT
 traces are imperfect on purpose, so that RL has something to learn: with probability
-1 - `sft.tool_mix`, a two-call request is answered with one of its calls only, and an optional
+1 - `sft.tool_mix`, a two-call request is answered with its first call only, and an optional
 argument the user asked for (the weather's unit) is left out.
 """
 
@@ -75,12 +75,11 @@ def toolrl_answer(calls: Sequence[Mapping], reply: str = "Happy to help!") -> st
 
 
 def imperfect_calls(calls: Sequence[Mapping], rng: random.Random, mix: float) -> list[dict]:
-    """The calls an imperfect trace makes: with probability 1 - mix each, a two-call answer
-    keeps one of its calls (either: the policy learns to copy values from both requests) and
-    the optional "unit" argument is left out."""
+    """The calls an imperfect trace makes: with probability 1 - mix each, the second call is
+    dropped and the optional "unit" argument is left out."""
     out = [dict(c, arguments=dict(c["arguments"])) for c in calls]
     if len(out) > 1 and rng.random() >= mix:
-        out = [rng.choice(out)]
+        out = out[:1]
     for c in out:
         if "unit" in c["arguments"] and rng.random() >= mix:
             del c["arguments"]["unit"]

@@ -61,6 +61,48 @@ def test_sokoban_pushes_walls_and_rewards():
     assert res.done and not res.info["success"]  # max_steps
 
 
+def test_sokoban_min_moves_redraws_short_rooms():
+    for seed in range(30):
+        env = Sokoban(min_moves=3)
+        grid = env.reset(seed)
+        assert len(shortest_plan(env)) >= 3, grid
+        assert env._solution_length() == len(shortest_plan(env))
+    # without it, the same generator gives rooms solved in one or two moves
+    short = [s for s in range(30) if len(shortest_plan(_reset(Sokoban(), s))) < 3]
+    assert len(short) >= 10
+
+
+def _reset(env, seed):
+    env.reset(seed)
+    return env
+
+
+def test_sokoban_hints_say_where_box_and_target_are():
+    env = Sokoban(dim_room=(5, 7), hints=True)
+    env.reset(0)
+    env.walls = sk.np.ones((5, 7), bool)
+    env.walls[1:4, 1:6] = False
+    env.targets = frozenset({(1, 5), (3, 1)})
+    env.player, env.boxes = (3, 3), frozenset({(2, 2)})
+    lines = env.render().split("\n")
+    assert lines[:5] == _plain(env).render().split("\n")  # the grid, then the line
+    assert lines[5] == "Box: 1 Up 1 Left of you. Target: 1 Down 1 Left of the box."
+    env.step("Right")
+    assert env.render().split("\n")[5] == (
+        "Box: 1 Up 2 Left of you. Target: 1 Down 1 Left of the box."
+    )
+    env.player, env.boxes = (1, 4), frozenset({(1, 3)})
+    assert env.render().split("\n")[5] == "Box: 1 Left of you. Target: 2 Right of the box."
+    env.boxes = frozenset({(1, 5)})
+    assert env.render().split("\n")[5] == "Every box is on a target."
+
+
+def _plain(env):
+    plain = copy.copy(env)
+    plain.hints = False
+    return plain
+
+
 # --------------------------------------------------------------------------- FrozenLake
 def test_frozenlake_is_deterministic_and_rewards_the_goal():
     env = make_env("frozenlake", size=4, slippery=False)

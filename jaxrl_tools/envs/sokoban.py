@@ -5,6 +5,12 @@ player are placed on it, and the boxes, starting on their targets, are *pulled* 
 of the player (`search_depth` reverse moves). Reversed, that walk is a solution, so every room is
 solvable; the room kept is the one whose boxes ended farthest from their targets.
 
+`min_moves` redraws a room whose shortest solution is shorter (harder rooms: a random walk
+rarely solves one). `hints` adds a line under the grid saying where each box is from the player
+and where its nearest free target is from the box, in the action words ("Box: 1 Down 2 Right of
+you. Target: 2 Down of the box."): a tiny policy trained from scratch cannot read positions off
+the grid (its move loss stays at ln 4), but it can read them there.
+
 Symbols (RAGEN's): `#` wall, `_` floor, `O` target, `X` box, `√` box on target, `P` player,
 `S` player on target. Rewards (gym-sokoban's, which RAGEN uses): -0.1 per step, +1 for pushing
 a box onto a target, -1 for pushing one off, +10 when every box is on a target (done).
@@ -24,10 +30,19 @@ def _add(p, d):
     return (p[0] + d[0], p[1] + d[1])
 
 
+def _offset(a, b) -> str:
+    """Where cell b is from cell a, in the action words: "1 Down 2 Right"."""
+    dr, dc = b[0] - a[0], b[1] - a[1]
+    words = [f"{abs(dr)} {'Down' if dr > 0 else 'Up'}"] if dr else []
+    words += [f"{abs(dc)} {'Right' if dc > 0 else 'Left'}"] if dc else []
+    return " ".join(words)
+
+
 @register_env("sokoban")
 class Sokoban(GridEnv):
     """Args: dim_room (rows, cols, walls included), num_boxes, max_steps (moves before the
-    episode ends), search_depth (reverse moves that scatter the boxes: harder rooms)."""
+    episode ends), search_depth (reverse moves that scatter the boxes: harder rooms),
+    min_moves (the fewest moves a room's solution takes), hints (the positions line)."""
 
     actions = tuple(MOVES)
     instructions = (
@@ -42,19 +57,24 @@ class Sokoban(GridEnv):
         num_boxes: int = 1,
         max_steps: int = 100,
         search_depth: int = 30,
+        min_moves: int = 0,
+        hints: bool = False,
     ):
         rows, cols = dim_room
         if rows < 4 or cols < 4 or num_boxes < 1:
             raise ValueError(f"Sokoban needs a room of at least 4x4 and a box, got {dim_room}")
         self.dim_room, self.num_boxes = (rows, cols), num_boxes
         self.max_steps, self.search_depth = max_steps, search_depth
+        self.min_moves, self.hints = min_moves, hints
         self.steps = 0
 
     # ------------------------------------------------------------------ generation
     def reset(self, seed: int) -> str:
         rng = np.random.default_rng(seed)
         for _ in range(1000):
-            if self._generate(rng):
+            if self._generate(rng) and (
+                self.min_moves <= 0 or self._solution_length() >= self.min_moves
+            ):
                 self.steps = 0
                 return self.render()
         raise RuntimeError(f"no Sokoban room found for seed {seed} and {self.dim_room}")
@@ -99,6 +119,30 @@ class Sokoban(GridEnv):
         self.player, self.boxes = best
         return True
 
+    def _solution_length(self) -> int:
+        """The fewest moves that solve the room (breadth-first search over (player, boxes))."""
+        frontier = [(self.player, self.boxes)]
+        seen, depth = set(frontier), 0
+        while frontier:
+            later = []
+            for player, boxes in frontier:
+                if boxes == self.targets:
+                    return depth
+                for d in MOVES.values():
+                    to, moved = _add(player, d), boxes
+                    if self.walls[to]:
+                        continue
+                    if to in boxes:
+                        beyond = _add(to, d)
+                        if self.walls[beyond] or beyond in boxes:
+                            continue
+                        moved = (boxes - {to}) | {beyond}
+                    if (to, moved) not in seen:
+                        seen.add((to, moved))
+                        later.append((to, moved))
+            frontier, depth = later, depth + 1
+        return -1  # unreachable: a room is generated solvable
+
     # ------------------------------------------------------------------ play
     @property
     def solved(self) -> bool:
@@ -120,7 +164,21 @@ class Sokoban(GridEnv):
                 else:
                     line.append("O" if target else "_")
             out.append(" ".join(line))
+        if self.hints:
+            out.append(self._hint_line())
         return "\n".join(out)
+
+    def _hint_line(self) -> str:
+        """Where each box off target is from the player, and its nearest free target from it."""
+        free = sorted(self.targets - self.boxes)
+        parts = []
+        for box in sorted(self.boxes - self.targets):
+            target = min(free, key=lambda t: abs(t[0] - box[0]) + abs(t[1] - box[1]))
+            parts.append(
+                f"Box: {_offset(self.player, box)} of you. "
+                f"Target: {_offset(box, target)} of the box."
+            )
+        return " ".join(parts) or "Every box is on a target."
 
     def step(self, action_text: str) -> StepResult:
         anchor = self.state_key

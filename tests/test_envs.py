@@ -86,13 +86,13 @@ def test_sokoban_hints_say_where_box_and_target_are():
     env.player, env.boxes = (3, 3), frozenset({(2, 2)})
     lines = env.render().split("\n")
     assert lines[:5] == _plain(env).render().split("\n")  # the grid, then the line
-    assert lines[5] == "Box: 1 Up 1 Left of you. Target: 1 Down 1 Left of the box."
+    assert lines[5] == "Box from you: 1 above, 1 left. Target from box: 1 below, 1 left."
     env.step("Right")
     assert env.render().split("\n")[5] == (
-        "Box: 1 Up 2 Left of you. Target: 1 Down 1 Left of the box."
+        "Box from you: 1 above, 2 left. Target from box: 1 below, 1 left."
     )
     env.player, env.boxes = (1, 4), frozenset({(1, 3)})
-    assert env.render().split("\n")[5] == "Box: 1 Left of you. Target: 2 Right of the box."
+    assert env.render().split("\n")[5] == "Box from you: 0 above, 1 left. Target from box: 0 above, 2 right."
     env.boxes = frozenset({(1, 5)})
     assert env.render().split("\n")[5] == "Every box is on a target."
 

@@ -7,9 +7,10 @@ solvable; the room kept is the one whose boxes ended farthest from their targets
 
 `min_moves` redraws a room whose shortest solution is shorter (harder rooms: a random walk
 rarely solves one). `hints` adds a line under the grid saying where each box is from the player
-and where its nearest free target is from the box, in the action words ("Box: 1 Down 2 Right of
-you. Target: 2 Down of the box."): a tiny policy trained from scratch cannot read positions off
-the grid (its move loss stays at ln 4), but it can read them there.
+and where its nearest free target is from the box ("Box from you: 1 below, 2 right. Target from
+box: 1 left."): a tiny policy trained from scratch cannot read positions off the grid (its move
+loss stays at ln 4), but it can read them there. The words are not the action words, which every
+prompt lists, so that only the line's words say where to go.
 
 Symbols (RAGEN's): `#` wall, `_` floor, `O` target, `X` box, `√` box on target, `P` player,
 `S` player on target. Rewards (gym-sokoban's, which RAGEN uses): -0.1 per step, +1 for pushing
@@ -31,11 +32,10 @@ def _add(p, d):
 
 
 def _offset(a, b) -> str:
-    """Where cell b is from cell a, in the action words: "1 Down 2 Right"."""
+    """Where cell b is from cell a, rows then columns: "1 below, 0 left". Always both, so the
+    line has the same tokens at the same places whatever the room."""
     dr, dc = b[0] - a[0], b[1] - a[1]
-    words = [f"{abs(dr)} {'Down' if dr > 0 else 'Up'}"] if dr else []
-    words += [f"{abs(dc)} {'Right' if dc > 0 else 'Left'}"] if dc else []
-    return " ".join(words)
+    return f"{abs(dr)} {'below' if dr > 0 else 'above'}, {abs(dc)} {'right' if dc > 0 else 'left'}"
 
 
 @register_env("sokoban")
@@ -175,8 +175,8 @@ class Sokoban(GridEnv):
         for box in sorted(self.boxes - self.targets):
             target = min(free, key=lambda t: abs(t[0] - box[0]) + abs(t[1] - box[1]))
             parts.append(
-                f"Box: {_offset(self.player, box)} of you. "
-                f"Target: {_offset(box, target)} of the box."
+                f"Box from you: {_offset(self.player, box)}. "
+                f"Target from box: {_offset(box, target)}."
             )
         return " ".join(parts) or "Every box is on a target."
 

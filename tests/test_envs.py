@@ -92,7 +92,10 @@ def test_sokoban_hints_say_where_box_and_target_are():
         "Box from you: 1 above, 2 left. Target from box: 1 below, 1 left."
     )
     env.player, env.boxes = (1, 4), frozenset({(1, 3)})
-    assert env.render().split("\n")[5] == "Box from you: 0 above, 1 left. Target from box: 0 above, 2 right."
+    assert (
+        env.render().split("\n")[5]
+        == "Box from you: 0 above, 1 left. Target from box: 0 above, 2 right."
+    )
     env.boxes = frozenset({(1, 5)})
     assert env.render().split("\n")[5] == "Every box is on a target."
 

@@ -8,9 +8,9 @@ solvable; the room kept is the one whose boxes ended farthest from their targets
 `min_moves` redraws a room whose shortest solution is shorter (harder rooms: a random walk
 rarely solves one). `hints` adds a line under the grid saying where each box is from the player
 and where its nearest free target is from the box ("Box from you: 1 below, 2 right. Target from
-box: 1 left."): a tiny policy trained from scratch cannot read positions off the grid (its move
-loss stays at ln 4), but it can read them there. The words are not the action words, which every
-prompt lists, so that only the line's words say where to go.
+box: 0 above, 1 left."): a tiny policy trained from scratch cannot read positions off the grid
+(its move loss stays at ln 4), but it can read them there. The words are not the action words,
+which every prompt lists, so that only the line's words say where to go.
 
 Symbols (RAGEN's): `#` wall, `_` floor, `O` target, `X` box, `√` box on target, `P` player,
 `S` player on target. Rewards (gym-sokoban's, which RAGEN uses): -0.1 per step, +1 for pushing

@@ -66,7 +66,6 @@ def test_sokoban_min_moves_redraws_short_rooms():
         env = Sokoban(min_moves=3)
         grid = env.reset(seed)
         assert len(shortest_plan(env)) >= 3, grid
-        assert env._solution_length() == len(shortest_plan(env))
     # without it, the same generator gives rooms solved in one or two moves
     short = [s for s in range(30) if len(shortest_plan(_reset(Sokoban(), s))) < 3]
     assert len(short) >= 10

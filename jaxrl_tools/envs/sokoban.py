@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxrl_tools.envs.base import GridEnv, StepResult, register_env
+from jaxrl_tools.envs.oracle import shortest_plan
 
 MOVES = {"Up": (-1, 0), "Down": (1, 0), "Left": (0, -1), "Right": (0, 1)}
 STEP_PENALTY, BOX_ON, BOX_OFF, SOLVED = -0.1, 1.0, -1.0, 10.0
@@ -71,11 +72,11 @@ class Sokoban(GridEnv):
     # ------------------------------------------------------------------ generation
     def reset(self, seed: int) -> str:
         rng = np.random.default_rng(seed)
+        self.steps = 0  # before the search below: it steps copies of the room
         for _ in range(1000):
             if self._generate(rng) and (
-                self.min_moves <= 0 or self._solution_length() >= self.min_moves
+                self.min_moves <= 0 or len(shortest_plan(self) or ()) >= self.min_moves
             ):
-                self.steps = 0
                 return self.render()
         raise RuntimeError(f"no Sokoban room found for seed {seed} and {self.dim_room}")
 
@@ -118,30 +119,6 @@ class Sokoban(GridEnv):
             return False
         self.player, self.boxes = best
         return True
-
-    def _solution_length(self) -> int:
-        """The fewest moves that solve the room (breadth-first search over (player, boxes))."""
-        frontier = [(self.player, self.boxes)]
-        seen, depth = set(frontier), 0
-        while frontier:
-            later = []
-            for player, boxes in frontier:
-                if boxes == self.targets:
-                    return depth
-                for d in MOVES.values():
-                    to, moved = _add(player, d), boxes
-                    if self.walls[to]:
-                        continue
-                    if to in boxes:
-                        beyond = _add(to, d)
-                        if self.walls[beyond] or beyond in boxes:
-                            continue
-                        moved = (boxes - {to}) | {beyond}
-                    if (to, moved) not in seen:
-                        seen.add((to, moved))
-                        later.append((to, moved))
-            frontier, depth = later, depth + 1
-        return -1  # unreachable: a room is generated solvable
 
     # ------------------------------------------------------------------ play
     @property

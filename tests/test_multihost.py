@@ -151,6 +151,13 @@ def runs(tmp_path_factory):
     deadline = time.monotonic() + TIMEOUT
     while not _finished_steps(ckpt) and procs[1].poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
+    if not _finished_steps(ckpt):  # nothing to kill after: say why, with both processes' ends
+        code = procs[1].poll()
+        why = f"none in {TIMEOUT} s" if code is None else f"process 1 exited with {code}"
+        for p in procs:
+            p.kill()
+        ends = [f"process {i}: {p.communicate()[1].decode()[-3000:]}" for i, p in enumerate(procs)]
+        pytest.fail(f"the two-process run wrote no checkpoint ({why})\n" + "\n".join(ends))
     procs[1].send_signal(signal.SIGKILL)
     t_kill = time.monotonic()
     try:

@@ -8,6 +8,7 @@ import pytest
 from fakes import VOCAB, fixed_trajectories, tiny_model_config
 
 from jaxrl_tools import algorithms, models, run
+from jaxrl_tools.check.inputs import env_records
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import config_from_dict
 from jaxrl_tools.envs import EVAL_SEED_OFFSET, Episodes, FrozenLake
@@ -61,6 +62,16 @@ def test_env_section_names_the_field_and_the_registered_envs():
         config_from_dict(cfg_dict(filters={"max_sampling_rounds": 0}))
     # ReMax's baseline comes from the sampler: no longer refused.
     assert config_from_dict(cfg_dict(adv_estimator="remax")).algorithm.adv_estimator == "remax"
+
+
+def test_env_kwargs_no_room_can_satisfy_is_one_config_error():
+    for kwargs, msg in [
+        ({"min_moves": 60}, r"whose solution takes >= 60 moves .* lower min_moves"),
+        ({"dim_room": [3, 3]}, r"needs a room of at least 4x4"),
+    ]:
+        cfg = config_from_dict({**cfg_dict(), "env": {"name": "sokoban", "kwargs": kwargs}})
+        with pytest.raises(ConfigError, match=r"env\.kwargs \{.*\} for 'sokoban': .*" + msg):
+            env_records(cfg, "train")
 
 
 def test_episode_records_are_reproducible_and_eval_seeds_disjoint():

@@ -208,8 +208,12 @@ def _read(cfg: RunConfig, split: str) -> data.RecordSource:
 
 
 def env_records(cfg: RunConfig, split: str) -> list[dict]:
-    """The episodes of the `env` section as prompt records ("train" or held-out "eval" seeds)."""
-    return envs.Episodes.from_section(cfg.env).split_records(cfg.env, split)
+    """The episodes of the `env` section as prompt records ("train" or held-out "eval" seeds).
+    An environment that cannot be made from its kwargs (a ValueError) is a config error."""
+    try:
+        return envs.Episodes.from_section(cfg.env).split_records(cfg.env, split)
+    except ValueError as e:
+        raise ConfigError(f"env.kwargs {dict(cfg.env.kwargs)} for {cfg.env.name!r}: {e}") from e
 
 
 def check_data(

@@ -78,7 +78,11 @@ class Sokoban(GridEnv):
                 self.min_moves <= 0 or len(shortest_plan(self) or ()) >= self.min_moves
             ):
                 return self.render()
-        raise RuntimeError(f"no Sokoban room found for seed {seed} and {self.dim_room}")
+        solution = f" whose solution takes >= {self.min_moves} moves" if self.min_moves > 0 else ""
+        raise ValueError(
+            f"no Sokoban room of {self.dim_room}{solution} in 1000 draws for seed {seed}: lower "
+            "min_moves or search_depth, or enlarge dim_room"
+        )
 
     def _generate(self, rng) -> bool:
         rows, cols = self.dim_room

@@ -46,7 +46,7 @@ def evaluate(
         )
     gts = [records[i // g].get("ground_truth") for i in range(len(trajs))]
     scores, parts = score_trajectories(reward, records, trajs, g)
-    metrics = rollout_metrics(trajs, scores, parts)
+    metrics = rollout_metrics(trajs, scores, parts, group_size=g)
     metrics["num_problems"] = len(records)
     kind = reward.correctness
     correct = np.array([is_correct(t.response_text, gt, kind) for t, gt in zip(trajs, gts)])

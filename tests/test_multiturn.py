@@ -13,7 +13,7 @@ from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import config_from_dict
 from jaxrl_tools.envs import EVAL_SEED_OFFSET, Episodes, FrozenLake
 from jaxrl_tools.rewards import CompositeReward
-from jaxrl_tools.train.batch import collect_batch, make_batch, step_arrays
+from jaxrl_tools.train.batch import collect_batch, make_batch, rollout_metrics, step_arrays
 from jaxrl_tools.types import Span, Trajectory
 
 G = 4  # samples per prompt
@@ -292,6 +292,21 @@ def test_step_arrays_map_turns_states_and_tokens():
         _add(t, kind, [5, 6], reward)
     mixed = step_arrays([t], rows=1, length=16)["token_step"][0]
     assert mixed[[2, 3, 6, 7]].tolist() == [0] * 4 and mixed[[10, 11]].tolist() == [1, 1]
+
+
+def test_anchor_metrics_count_shared_states_within_each_prompt_group():
+    ep = lambda states, n=None: Trajectory(
+        0, 0, [1], env_rewards=[0.0] * (len(states) if n is None else n), env_states=states
+    )
+    # group 1: "a" met 3 times, "b" once, a None state (its own group), and a state after the
+    # last env step (not a step: no reward) that is not counted; group 2: "a" again (another
+    # group's "a" does not count) and an unhashable state met twice.
+    trajs = [ep(["a", "b"]), ep(["a", None]), ep(["a", "c"], n=1)]
+    trajs += [ep(["a", [1, 2]]), ep([[1, 2]]), ep([])]
+    m = rollout_metrics(trajs, np.zeros(6), {}, group_size=3)
+    sizes = [3, 1, 3, 1, 3] + [1, 2, 2]
+    assert m["env/anchor_group_size"] == pytest.approx(np.mean(sizes))
+    assert m["env/anchor_shared_frac"] == pytest.approx(5 / 8)
 
 
 @pytest.mark.parametrize("last_cut", [False, True])

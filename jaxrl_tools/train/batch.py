@@ -9,6 +9,7 @@ windowed history (`Trajectory.turns`) are laid out a turn per row (`_turn_batch`
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -75,8 +76,11 @@ def score_trajectories(
     return reward.batch([t.response_text for t in trajectories], gts, infos, group_ids=group_ids)
 
 
-def rollout_metrics(trajectories: Sequence[Trajectory], scores: np.ndarray, parts: dict) -> dict:
-    """Reward, accuracy, tool-use and length statistics of a batch of trajectories."""
+def rollout_metrics(
+    trajectories: Sequence[Trajectory], scores: np.ndarray, parts: dict, *, group_size: int = 1
+) -> dict:
+    """Reward, accuracy, tool-use and length statistics of a batch of trajectories (`group_size`
+    consecutive ones per prompt: the anchor-state statistics of environment episodes)."""
     calls = np.array([t.num_tool_calls for t in trajectories], np.float32)
     records = [r for t in trajectories for r in t.tool_calls]
     errors = sum(1 for r in records if not r.ok)
@@ -99,12 +103,47 @@ def rollout_metrics(trajectories: Sequence[Trajectory], scores: np.ndarray, part
     if turns.any():  # episodes of an environment
         out["env/success_rate"] = float(np.mean([t.env_success for t in trajectories]))
         out["env/turns_mean"] = float(turns.mean())
+        out.update(anchor_metrics(trajectories, group_size))
     finish: dict[str, int] = {}
     for t in trajectories:
         finish[t.finish_reason] = finish.get(t.finish_reason, 0) + 1
     for reason, n in finish.items():
         out[f"response/finish_{reason}"] = n / len(trajectories)
     return out
+
+
+def _state_key(state, where):
+    """A hashable key of an environment state (None: a state of its own, at `where`)."""
+    if state is None:
+        return ("none", *where)
+    try:
+        hash(state)
+        return ("state", state)
+    except TypeError:  # an unhashable state: compared by its repr
+        return ("repr", repr(state))
+
+
+def anchor_metrics(trajectories: Sequence[Trajectory], group_size: int) -> dict:
+    """How GiGPO's anchor-state groups come out: over the environment steps of the batch, the
+    mean number of steps of the same prompt group taken in the same state
+    ("env/anchor_group_size"), and the share of steps whose state another step of the group
+    also met ("env/anchor_shared_frac": only those get a step-level advantage)."""
+    sizes = []
+    for g in range(0, len(trajectories), group_size):
+        keys = [
+            _state_key(state, (i, k))
+            for i, t in enumerate(trajectories[g : g + group_size])
+            for k, state in enumerate(t.env_states[: len(t.env_rewards)])
+        ]
+        count = Counter(keys)
+        sizes += [count[key] for key in keys]
+    if not sizes:
+        return {}
+    sizes = np.asarray(sizes, np.float32)
+    return {
+        "env/anchor_group_size": float(sizes.mean()),
+        "env/anchor_shared_frac": float((sizes > 1).mean()),
+    }
 
 
 def filter_groups(scores_N: np.ndarray, group_size: int, filters: FiltersSection) -> np.ndarray:
@@ -157,11 +196,7 @@ def step_arrays(
         out["step_rewards"][i, :n] = t.env_rewards
         out["step_mask"][i, :n] = 1.0
         for k, state in enumerate(t.env_states[:n]):
-            key = ("state", state) if state is not None else ("none", i, k)
-            try:
-                out["anchor_ids"][i, k] = ids.setdefault(key, len(ids))
-            except TypeError:  # an unhashable state: compared by its repr
-                out["anchor_ids"][i, k] = ids.setdefault(("repr", repr(state)), len(ids))
+            out["anchor_ids"][i, k] = ids.setdefault(_state_key(state, (i, k)), len(ids))
         p, k = len(t.prompt_ids), 0
         for j, sp in enumerate(t.spans):
             if sp.kind != "model":
@@ -277,7 +312,7 @@ def make_batch(
     scores, parts = score_trajectories(reward, records, trajectories, group_size)
     keep_groups = filter_groups(scores, group_size, filters)
     keep = [g * group_size + j for g in keep_groups for j in range(group_size)]
-    metrics = rollout_metrics(trajectories, scores, parts)
+    metrics = rollout_metrics(trajectories, scores, parts, group_size=group_size)
     metrics["filter/kept_groups_frac"] = len(keep_groups) / max(1, len(records))
     base = None
     if baselines is not None:
@@ -354,7 +389,7 @@ def collect_batch(
             kept.extend(trajs[g * group_size : (g + 1) * group_size])
             kept_scores.append(scores[g * group_size : (g + 1) * group_size])
             kept_records.append(records[g])
-    metrics = rollout_metrics(sampled, np.concatenate(all_scores), all_parts)
+    metrics = rollout_metrics(sampled, np.concatenate(all_scores), all_parts, group_size=group_size)
     metrics["filter/sampling_rounds"] = float(rounds)
     metrics["filter/kept_groups_frac"] = len(kept_records) / max(1, groups_seen)
     metrics["filter/batch_fill"] = len(kept_records) / max(1, need)

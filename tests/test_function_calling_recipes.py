@@ -154,10 +154,21 @@ def test_task_records_and_imperfect_sft_traces(qwen_tok):
     kept = [len(fc.imperfect_calls(two, rng, 0.4)) for _ in range(2000)]
     assert 0.55 < kept.count(1) / 2000 < 0.65
     assert fc.imperfect_calls(two, rng, 1.0) == two
-    traces = fc.task_sft_traces(data, SFTSection(num_traces=8, tool_mix=0.4), qwen_tok)
+    # ... and about 60% of requests that need a call describe it in a <response> instead: the
+    # values are copied as in a call, but nothing is called and ToolRL's correctness is lost.
+    for rec in train:
+        if rec["ground_truth"]:
+            said = fc.described_answer(rec["ground_truth"])
+            assert all(json.dumps(c["arguments"]) in said for c in rec["ground_truth"])
+            assert "<tool_call>" not in said and "<response>" in said
+            assert toolrl(said, rec["ground_truth"]) < 0
+    traces = fc.task_sft_traces(data, SFTSection(num_traces=400, tool_mix=0.4), qwen_tok)
     for (prompt, p_train), (answer, a_train) in traces:
         assert not p_train and a_train and prompt.endswith("<|im_start|>assistant\n")
         assert answer.startswith("<think>") and answer.rstrip().endswith("<|im_end|>")
+    needing = [a for (_, _), (a, _) in traces if a.startswith("<think>I need")]
+    described = sum("<tool_call>" not in a for a in needing) / len(needing)
+    assert len(needing) > 250 and 0.5 < described < 0.7, (len(needing), described)
 
 
 def test_evaluate_reports_call_metrics_for_function_calling():

@@ -12,8 +12,10 @@ A trace answers in ToolRL's format (what the `toolrl` reward's format check want
 
 or, when no tool fits, `<think>No tool is needed.</think>\\n<response>...</response>`. The SFT
 traces are imperfect on purpose, so that RL has something to learn: with probability
-1 - `sft.tool_mix`, a two-call request is answered with its first call only, and an optional
-argument the user asked for (the weather's unit) is left out.
+1 - `sft.tool_mix` each, a request is answered by describing its calls in a <response> instead
+of making them (`described_answer`: a model that talks about a tool instead of calling it), a
+two-call request is answered with its first call only, and an optional argument the user asked
+for (the weather's unit) is left out.
 """
 
 from __future__ import annotations
@@ -74,6 +76,14 @@ def toolrl_answer(calls: Sequence[Mapping], reply: str = "Happy to help!") -> st
     return f"<think>I need {names}.</think>\n<tool_call>\n{lines}\n</tool_call>"
 
 
+def described_answer(calls: Sequence[Mapping]) -> str:
+    """The under-calling answer: the calls written out in prose inside a <response>, so that
+    nothing is called (the arguments are still copied, as in a call)."""
+    names = " and ".join(c["name"] for c in calls)
+    said = " and ".join(f"{c['name']} with {json.dumps(c['arguments'])}" for c in calls)
+    return f"<think>I need {names}.</think>\n<response>I would call {said}.</response>"
+
+
 def imperfect_calls(calls: Sequence[Mapping], rng: random.Random, mix: float) -> list[dict]:
     """The calls an imperfect trace makes: with probability 1 - mix each, the second call is
     dropped and the optional "unit" argument is left out."""
@@ -100,7 +110,7 @@ def trace_segments(tokenizer, record: Mapping[str, Any], answer: str) -> list[li
 
 def task_sft_traces(data: DataSection, sft: SFTSection, tokenizer) -> list[list[list[Any]]]:
     """`sft.num_traces` traces on generated prompts (a seed of their own), imperfect with
-    probability 1 - `sft.tool_mix` (`imperfect_calls`)."""
+    probability 1 - `sft.tool_mix` (`described_answer`, `imperfect_calls`)."""
     records = generate(
         sft.num_traces,
         data.shuffle_seed + SFT_SEED_OFFSET,
@@ -111,7 +121,11 @@ def task_sft_traces(data: DataSection, sft: SFTSection, tokenizer) -> list[list[
     traces = []
     for rec in records:
         calls = imperfect_calls(rec["ground_truth"], rng, sft.tool_mix)
-        traces.append(trace_segments(tokenizer, rec, toolrl_answer(calls, rng.choice(_REPLIES))))
+        if calls and rng.random() >= sft.tool_mix:
+            answer = described_answer(calls)
+        else:
+            answer = toolrl_answer(calls, rng.choice(_REPLIES))
+        traces.append(trace_segments(tokenizer, rec, answer))
     return traces
 
 

@@ -4,6 +4,7 @@ found before anything expensive, and nothing is left behind."""
 
 import glob
 import json
+import math
 import os
 import re
 import shutil
@@ -407,6 +408,36 @@ def test_check_every_recipe(name, capsys, tmp_path, monkeypatch):
     assert f"jaxrl-tools check: {name} (--smoke) is ready to run" in out
     assert f"runs/smoke/{recipe.trainer.run_name}/checkpoints" in out
     assert not Path(recipe.trainer.checkpoint_dir).exists()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "toolrl_grpo",
+        "tool_n1",
+        "search_r1",
+        "deepretrieval_search",
+        "deepretrieval_sql",
+        "artist",
+        "torl",
+        "zerotir",
+    ],
+)
+def test_smoke_train_of_the_tool_recipes(name, capsys, tmp_path, monkeypatch):
+    """`train --smoke` of each function-calling, search, retrieval and Python-tool recipe: 2 RL
+    steps on its shipped data (or stand-in math files), its tools and every reward term."""
+    monkeypatch.chdir(tmp_path)
+    overrides = _stand_in_data(tmp_path).get(name, [])
+    assert main(["train", "--smoke", "--config", name, *overrides]) == 0, capsys.readouterr().err
+    recipe = load_config(ROOT / "configs" / f"{name}.yaml")
+    out = tmp_path / "runs" / "smoke" / recipe.trainer.run_name
+    records = [
+        json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in records] == [1, 2]
+    for spec in recipe.reward:
+        assert all(math.isfinite(r[f"reward/{spec.name}"]) for r in records), (spec.name, records)
+    assert (out / "checkpoints" / "2").is_dir()
 
 
 def test_smoke_train_runs_two_steps(capsys, tmp_path, monkeypatch):

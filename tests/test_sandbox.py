@@ -223,6 +223,9 @@ def test_secret_file_and_env_not_readable(pool, tmp_path):
 
 # --------------------------------------------------------------------------- resources
 def test_fork_bomb_contained(pool):
+    # Counted once every worker is idle: a worker back from the last test's call forks its next
+    # snippet process only after cleaning up, later on a loaded machine.
+    assert wait_until(lambda: pool._idle.qsize() == pool.n_workers, timeout=20.0)
     workers = pool.worker_pids()
     before = pool_sandbox_procs(pool, workers)
     code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"

@@ -71,17 +71,21 @@ def toolrl_answer(calls: Sequence[Mapping], reply: str = "Happy to help!") -> st
     per line, or a <response> when there is no call."""
     if not calls:
         return f"<think>No tool is needed.</think>\n<response>{reply}</response>"
-    names = " and ".join(c["name"] for c in calls)
     lines = "\n".join(json.dumps({"name": c["name"], "arguments": c["arguments"]}) for c in calls)
-    return f"<think>I need {names}.</think>\n<tool_call>\n{lines}\n</tool_call>"
+    return f"{_thought(calls)}\n<tool_call>\n{lines}\n</tool_call>"
+
+
+def _thought(calls: Sequence[Mapping]) -> str:
+    """The thought before calls, the same whether they are made or described (so the choice
+    between the two comes at the tag after it)."""
+    return f"<think>I need {' and '.join(c['name'] for c in calls)}.</think>"
 
 
 def described_answer(calls: Sequence[Mapping]) -> str:
     """The under-calling answer: the calls written out in prose inside a <response>, so that
     nothing is called (the arguments are still copied, as in a call)."""
-    names = " and ".join(c["name"] for c in calls)
     said = " and ".join(f"{c['name']} with {json.dumps(c['arguments'])}" for c in calls)
-    return f"<think>I need {names}.</think>\n<response>I would call {said}.</response>"
+    return f"{_thought(calls)}\n<response>I would call {said}.</response>"
 
 
 def imperfect_calls(calls: Sequence[Mapping], rng: random.Random, mix: float) -> list[dict]:

@@ -77,7 +77,7 @@ def score_trajectories(
 
 
 def rollout_metrics(
-    trajectories: Sequence[Trajectory], scores: np.ndarray, parts: dict, *, group_size: int = 1
+    trajectories: Sequence[Trajectory], scores: np.ndarray, parts: dict, *, group_size: int
 ) -> dict:
     """Reward, accuracy, tool-use and length statistics of a batch of trajectories (`group_size`
     consecutive ones per prompt: the anchor-state statistics of environment episodes)."""

@@ -74,7 +74,7 @@ def test_unremovable_and_deep_trees_are_cleaned_without_losing_the_worker(pool):
     assert_next_call_normal(pool)
     assert restarts(pool) == before  # cleaned, not worker-lost
     # Nothing of A is left in the sandbox's /tmp.
-    assert wait_until(lambda: settled_tmpfs_inodes(pool) <= base, timeout=10.0)
+    assert wait_until(lambda: settled_tmpfs_inodes(pool) == base, timeout=10.0)
 
 
 def test_cleanup_that_overruns_its_budget_replaces_the_worker_off_the_callers_clock():

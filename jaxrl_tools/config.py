@@ -243,6 +243,9 @@ class RolloutSection:
     max_turns: int = 4  # model turns per response (with an env section, env.max_turns rules)
     chunk_size: int = 32  # tokens decoded per jitted chunk before the host looks for tool calls
     slots: int = 64  # concurrent sequences in the decode engine's KV cache
+    # Trajectories waiting on a tool that may hand their slot to a waiting sample, their cache
+    # rows kept in host memory (up to their live length) meanwhile. null = slots; 0 = off.
+    max_parked: int | None = None
     max_obs_tokens: int = 512  # observation cap (head + ... + tail)
     # The engine's own mesh (DxFxT over the trainer's devices, e.g. tensor-parallel decode beside
     # an fsdp update): the weights are resharded onto it after each update. null = trainer.mesh.
@@ -273,6 +276,11 @@ class RolloutSection:
             "eval_group_size",
         )
         _check(self.max_tool_calls >= 0, "rollout.max_tool_calls", "must be >= 0")
+        _check(
+            self.max_parked is None or self.max_parked >= 0,
+            "rollout.max_parked",
+            f"must be >= 0 or null, got {self.max_parked}",
+        )
         _check(self.tool_timeout_s > 0, "rollout.tool_timeout_s", "must be > 0")
         _check(
             self.mesh is None or re.fullmatch(r"\d+x\d+x\d+", self.mesh) is not None,

@@ -181,6 +181,7 @@ def plan_memory(
         top_k=_struct((B,), jnp.int32),
         top_p=_struct((B,), jnp.float32),
         sampled=_struct((B,), jnp.int32),
+        seq=_struct((B,), jnp.int32),
         active=_struct((B,), bool),
     )
     dec_replicated = NamedSharding(dmesh, PartitionSpec())

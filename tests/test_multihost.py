@@ -254,7 +254,7 @@ def test_single_process_agreement_is_the_local_value():
 # one process of a run (this file executed as a script)
 
 
-def _script_hook(logits_BV, sampled_B, script_S):
+def _script_hook(logits_BV, sampled_B, seq_B, script_S):
     """Favours token `script_S[i]` as a response's i-th model token (then nothing)."""
     import jax
     import jax.numpy as jnp

@@ -258,6 +258,45 @@ def test_live_length_decode_equals_whole_row_decode_token_for_token(jet_model):
     np.testing.assert_allclose(logits_live, logits_full, atol=1e-5)
 
 
+def test_parked_row_decodes_on_in_another_slot_as_if_it_had_stayed(jet_model):
+    # The rollout loop parks a trajectory waiting on a tool and brings it back in whichever slot
+    # frees first: its sampled tokens, log-probs and counters must not notice.
+    _, config, params = jet_model
+    sp = SamplingParams(temperature=1.0)
+    obs = [8, 9, 10, 11, 12]
+
+    def start():
+        eng = EngineCore(config, params, slots=4, max_len=128, max_prefill_length=16)
+        state = eng.write_slots(
+            params,
+            eng.init_decode_state(),
+            [0, 1],
+            [PROMPTS[2], PROMPTS[1]],
+            starts=[0, 0],
+            reset=[(jax.random.PRNGKey(7), sp), (jax.random.PRNGKey(8), sp)],
+            seq_ids=[40, 41],
+        )
+        state, _ = eng.generate_steps(params, state, 8, active=np.array([1, 1, 0, 0], bool))
+        return eng, state
+
+    eng, state = start()  # uninterrupted: slot 0 gets an observation and decodes on
+    state = eng.append(params, state, 0, obs, start=19, sampled=8)
+    state, ref = eng.generate_steps(params, state, 16, active=np.array([1, 1, 0, 0], bool))
+
+    eng, state = start()
+    parked = eng.park(state, 0, 19)  # 19 positions: a 32-position row leaves the engine
+    state = eng.write_slots(  # another sample decodes in slot 0 meanwhile
+        params, state, [0], [PROMPTS[0]], starts=[0], reset=[(jax.random.PRNGKey(9), sp)]
+    )
+    state, _ = eng.generate_steps(params, state, 8, active=np.array([1, 1, 0, 0], bool))
+    state = eng.unpark(state, 3, parked)
+    assert int(state.seq[3]) == 40 and int(state.sampled[3]) == 8 and int(state.seq[0]) == 0
+    state = eng.append(params, state, 3, obs, start=19, sampled=8)
+    state, out = eng.generate_steps(params, state, 16, active=np.array([1, 1, 0, 1], bool))
+    np.testing.assert_array_equal(np.asarray(out.tokens)[3], np.asarray(ref.tokens)[0])
+    np.testing.assert_allclose(np.asarray(out.logprobs)[3], np.asarray(ref.logprobs)[0], atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def jet_model(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("jet"), "qwen2", eos=None, seed=1)

@@ -1,6 +1,6 @@
 """Agent loop: HF greedy parity without tools, scripted tool calls (budget, malformed calls,
 stop strings ending mid-token), RAGEN-style environment turns (one sequence, or a fresh
-windowed prompt a turn), decoding while a tool runs."""
+windowed prompt a turn), decoding while a tool runs, trajectories parked while they wait."""
 
 import asyncio
 import dataclasses
@@ -134,7 +134,7 @@ def tiny(tok):
 SCRIPT_LEN = 160
 
 
-def forcing_hook(logits_BV, sampled_B, script_K):
+def forcing_hook(logits_BV, sampled_B, seq_B, script_K):
     """logits_hook forcing the model to emit `script_K` (indexed by tokens sampled so far).
 
     One module-level function whose script is traced data: every test shares its compile."""
@@ -278,6 +278,74 @@ def test_other_slots_decode_while_a_slow_tool_runs(tiny, tok):
     during = [t for t in chunks if start < t < end]
     # samples 2-4 on the other slot: at least their calls and answers are decoded meanwhile
     assert len(during) >= 3, (len(during), [round(t - start, 3) for t in chunks], end - start)
+
+
+def free_or_forced_hook(logits_BV, sampled_B, seq_B, data):
+    """Forces `script_K` where it is >= 0; elsewhere the model samples freely, without the
+    added tokens (no stray end or tool tags)."""
+    script_K, added_V = data
+    want_B = script_K[jnp.minimum(sampled_B, script_K.shape[0] - 1)]
+    forced_BV = jnp.where(jnp.arange(logits_BV.shape[-1])[None] == want_B[:, None], 0.0, -1e9)
+    free_BV = jnp.where(added_V[None], -1e9, logits_BV)
+    return jnp.where((want_B >= 0)[:, None], forced_BV, free_BV)
+
+
+def test_parked_trajectories_give_up_their_slots_and_decode_on_unchanged(tiny, tok):
+    """6 samples on 2 slots, each calling a 0.3 s tool between two freely sampled stretches.
+    Parked while they wait, more than 2 trajectories are in flight and queued samples decode in
+    their slots; yet every trajectory is what it is when trajectories keep their slots: its
+    tokens and log-probs depend on its own key and cache, not on the slots it passed through."""
+    config, params = tiny
+    call = _enc(tok, '<tool_call>\n{"name": "slow", "arguments": {"x": 1}}\n</tool_call>')
+    script = [-1] * 12 + call + [-1] * 10 + _enc(tok, "Done.<|im_end|>")
+    script += [script[-1]] * (SCRIPT_LEN - len(script))
+    added = np.zeros((config.vocab_size,), bool)
+    added[list(tok.get_added_vocab().values())] = True
+    eng = EngineCore(
+        config,
+        params,
+        slots=2,
+        max_len=768,
+        max_prefill_length=512,
+        tokenizer=tok,
+        logits_hook=free_or_forced_hook,
+        hook_data=(jnp.asarray(script, jnp.int32), jnp.asarray(added)),
+    )
+
+    @function_tool
+    async def slow(x: int) -> str:
+        """Takes its time."""
+        await asyncio.sleep(0.3)
+        return "ok"
+
+    def rollouts(max_parked):
+        stats = {}
+        trajs = run_rollouts(
+            eng,
+            params,
+            [[{"role": "user", "content": "Go."}], [{"role": "user", "content": "Again."}]],
+            tokenizer=tok,
+            num_samples=3,
+            protocol="qwen",
+            executor=ToolExecutor([slow]),
+            rng=5,
+            stats=stats,
+            limits=RolloutLimits(
+                max_tool_calls=1, chunk_size=8, max_response_tokens=200, max_parked=max_parked
+            ),
+        )
+        return trajs, stats
+
+    parked, p_stats = rollouts(None)
+    kept, k_stats = rollouts(0)
+    assert p_stats["parks"] >= 2 and p_stats["max_in_flight"] > 2, p_stats
+    assert k_stats["parks"] == 0 and k_stats["max_in_flight"] == 2, k_stats
+    assert len({tuple(t.response_ids) for t in parked}) == 6  # the free stretches differ
+    for a, b in zip(parked, kept, strict=True):
+        assert a.finish_reason == b.finish_reason == "eos" and a.num_tool_calls == 1
+        assert a.response_ids == b.response_ids
+        assert a.loss_mask == b.loss_mask
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
 def test_stop_string_mid_token_malformed_call_and_errors(tiny, tok):

@@ -56,15 +56,15 @@ def _config(**algorithm):
     )
 
 
-def forcing_hook(logits_BV, sampled_B, script_BK):
-    """Slot b emits script_BK[b] (indexed by the model tokens it has kept so far)."""
-    want_B = script_BK[jnp.arange(script_BK.shape[0]), jnp.minimum(sampled_B, SCRIPT_LEN - 1)]
+def forcing_hook(logits_BV, sampled_B, seq_B, script_BK):
+    """Sample b emits script_BK[b] (indexed by the model tokens it has kept so far)."""
+    want_B = script_BK[seq_B, jnp.minimum(sampled_B, SCRIPT_LEN - 1)]
     hit = jnp.arange(logits_BV.shape[-1])[None] == want_B[:, None]
     return jnp.where(hit, 0.0, -1e9)
 
 
 def _scripts(tok) -> np.ndarray:
-    """Sample g of each prompt (slot p * G + g): g = 0, 1 call the tool and answer right, g = 2
+    """Sample g of each prompt (sample index p * G + g): g = 0, 1 call the tool and answer right, g = 2
     answers wrong without the tool, g = 3 calls the tool and answers wrong."""
     enc = lambda s: tok.encode(s, add_special_tokens=False)
     eos = [tok.convert_tokens_to_ids("<|im_end|>")]

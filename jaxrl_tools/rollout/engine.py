@@ -24,8 +24,10 @@ from jaxrl_tools.rollout.kernels import (
     DecodeState,
     LogitsHook,
     Params,
+    Parked,
     Prefix,
     StepOutput,
+    extract_kernel,
     generate_kernel,
     insert_kernel,
     next_pow2,
@@ -82,8 +84,9 @@ class EngineCore:
       sampling: default SamplingParams of a prefill that passes none.
       seed: base seed for prefills that pass no key (folded with a request counter).
       steps_per_generate: tokens per slot per Engine API `generate` call.
-      logits_hook: optional jittable f(logits_BV, sampled_B, hook_data) -> logits_BV applied
-        before sampling (see LogitsHook); hook_data: its data (a pytree of arrays, traced).
+      logits_hook: optional jittable f(logits_BV, sampled_B, seq_B, hook_data) -> logits_BV
+        applied before sampling (see LogitsHook); hook_data: its data (a pytree of arrays,
+        traced).
       eos_token_ids: ids that end a sequence (default: the config's and the tokenizer's EOS).
       live_attention: decode and append steps attend only over the live part of the cache (a
         power-of-two bucket above the longest active row), so a step's cost follows the live
@@ -286,6 +289,7 @@ class EngineCore:
             top_k=jnp.zeros((B,), jnp.int32),
             top_p=jnp.ones((B,), jnp.float32),
             sampled=jnp.zeros((B,), jnp.int32),
+            seq=jnp.arange(B, dtype=jnp.int32),
             active=jnp.zeros((B,), bool),
         )
 
@@ -409,7 +413,25 @@ class EngineCore:
         self._slot_mode[slot] = SamplingParams(
             float(prefix.temperature), int(prefix.top_k), float(prefix.top_p)
         ).mode
-        return self._insert_jit(prefix, decode_state, jnp.int32(slot))
+        slot = jnp.int32(slot)
+        return self._insert_jit(prefix, decode_state, slot, jnp.int32(0), slot)
+
+    def park(self, decode_state: DecodeState, slot: int, length: int) -> Parked:
+        """Row `slot` copied out of the state (which is not changed) into host memory: its
+        first `length` cache positions (bucketed), pending logits, key, sampling and counters.
+        `unpark` puts it back into any slot, and the row decodes on as if it had never left.
+        (Host memory: parked rows take no accelerator memory; a collective when the cache's
+        rows span processes.)"""
+        cache_len = min(next_pow2(length, 16), self.max_len)
+        parked = extract_kernel(decode_state, jnp.int32(slot), cache_len=cache_len)
+        return jax.tree.map(to_host, parked).replace(mode=self._slot_mode[slot])
+
+    def unpark(self, decode_state: DecodeState, slot: int, parked: Parked) -> DecodeState:
+        """Puts a row from `park` into `slot` and activates it (the decode state is donated)."""
+        self._slot_mode[slot] = parked.mode
+        return self._insert_jit(
+            parked.prefix, decode_state, jnp.int32(slot), parked.sampled, parked.seq
+        )
 
     def generate_steps(
         self,
@@ -457,6 +479,7 @@ class EngineCore:
         starts: Sequence[int] | None = None,
         sampled: Sequence[int] | None = None,
         reset: Sequence[tuple[jax.Array, SamplingParams]] | None = None,
+        seq_ids: Sequence[int] | None = None,
     ) -> DecodeState:
         """Writes tokens into several slots' caches in one jitted call (no prefix recompute).
 
@@ -474,6 +497,8 @@ class EngineCore:
           sampled: model tokens kept in the row so far (for `logits_hook`), default 0.
           reset: per row (key, SamplingParams): a new sequence; sets its key and sampling and
             activates it. None keeps the rows' keys/sampling/active flags.
+          seq_ids: with `reset`, the id of each new sequence (its `seq` for `logits_hook`);
+            default the slots.
 
         Returns:
           The new decode state.
@@ -511,11 +536,13 @@ class EngineCore:
             temp = np.ones((M,), np.float32)
             topk = np.zeros((M,), np.int32)
             topp = np.ones((M,), np.float32)
+            seq = np.zeros((M,), np.int32)
+            seq[:m] = slots if seq_ids is None else seq_ids
             for i, (key, sp) in enumerate(reset):
                 keys[i] = np.asarray(key, np.uint32)
                 temp[i], topk[i], topp[i] = sp.temperature, sp.top_k, sp.top_p
                 self._slot_mode[slots[i]] = sp.mode
-            rs = tuple(jnp.asarray(x) for x in (keys, temp, topk, topp))
+            rs = tuple(jnp.asarray(x) for x in (keys, temp, topk, topp, seq))
         return self._write_jit(
             self.serving_params(params),
             decode_state,

@@ -9,7 +9,11 @@ The decode state (`DecodeState`) is a pytree that every jitted call donates and 
   so prefill and observation appends never sample: all sampling happens in `generate_kernel`,
   from the slot's own RNG key, which advances only when the slot is active.
 - per-slot sampling settings (temperature / top_k / top_p), RNG keys, `sampled[b]` (model tokens
-  kept in the slot, fed to an optional `logits_hook`) and `active[b]`.
+  kept in the slot) and `seq[b]` (the caller's id of the sequence in the slot), both fed to an
+  optional `logits_hook`, and `active[b]`.
+
+A row can leave its slot and come back in another (`extract_kernel` / `insert_kernel`): the
+rollout loop parks a trajectory waiting on a tool so a queued one decodes in its place.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from jaxrl_tools import models
 from jaxrl_tools.rollout.sampling import sample_tokens, split_keys
 
 Params = Any
-# logits_hook(logits_BV, sampled_B, hook_data) -> logits_BV, applied before sampling (jitted).
-# `sampled_B` is the number of model tokens kept in each slot so far; `hook_data` is the engine's
-# `hook_data` pytree passed as a traced argument (changing it does not recompile). E.g. a test
-# forces a scripted token sequence, or a caller adds a per-slot logit bias.
-LogitsHook = Callable[[jax.Array, jax.Array, Any], jax.Array]
+# logits_hook(logits_BV, sampled_B, seq_B, hook_data) -> logits_BV, applied before sampling
+# (jitted). `sampled_B` is the number of model tokens kept in each slot so far, `seq_B` the id of
+# the sequence each slot holds (the rollout loop's sample index; the slot for JetStream inserts)
+# and `hook_data` the engine's `hook_data` pytree, passed as a traced argument (changing it does
+# not recompile). E.g. a test forces a scripted token sequence per sample, or a caller adds a
+# per-sequence logit bias.
+LogitsHook = Callable[[jax.Array, jax.Array, jax.Array, Any], jax.Array]
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -51,6 +57,7 @@ class DecodeState:
     top_k: jax.Array  # int32 [B]
     top_p: jax.Array  # float32 [B]
     sampled: jax.Array  # int32 [B]
+    seq: jax.Array  # int32 [B]
     active: jax.Array  # bool [B]
 
 
@@ -68,6 +75,16 @@ class Prefix:
 
 
 @flax.struct.dataclass
+class Parked:
+    """A row lifted out of the decode state: everything that decides its next tokens."""
+
+    prefix: Prefix  # the cache up to a bucketed length, pending logits, key, sampling
+    sampled: jax.Array  # int32 []
+    seq: jax.Array  # int32 []
+    mode: str = flax.struct.field(pytree_node=False, default="sample")  # sampling.MODES
+
+
+@flax.struct.dataclass
 class StepOutput:
     """What `generate_steps` returns besides the state: N steps for every slot."""
 
@@ -81,6 +98,13 @@ def _batch_axis() -> Any:
     axes = models.cache_axes()
     is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str | None) for a in x)
     return jax.tree.map(lambda a: a.index("batch"), axes, is_leaf=is_axes)
+
+
+def _length_axis() -> Any:
+    """Index of the "cache_length" axis of each cache leaf."""
+    axes = models.cache_axes()
+    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str | None) for a in x)
+    return jax.tree.map(lambda a: a.index("cache_length"), axes, is_leaf=is_axes)
 
 
 def _take_rows(cache, rows_M, batch_axis):
@@ -124,7 +148,7 @@ def prefill_kernel(params, tokens_T, true_length, existing, cache_len, *, config
 
 
 @functools.partial(jax.jit, donate_argnums=(1,))
-def insert_kernel(prefix: Prefix, state: DecodeState, slot):
+def insert_kernel(prefix: Prefix, state: DecodeState, slot, sampled, seq):
     def put(x, p, ax):
         start = [0] * x.ndim
         start[ax] = slot
@@ -139,9 +163,33 @@ def insert_kernel(prefix: Prefix, state: DecodeState, slot):
         temperature=state.temperature.at[slot].set(prefix.temperature),
         top_k=state.top_k.at[slot].set(prefix.top_k),
         top_p=state.top_p.at[slot].set(prefix.top_p),
-        sampled=state.sampled.at[slot].set(0),
+        sampled=state.sampled.at[slot].set(sampled),
+        seq=state.seq.at[slot].set(seq),
         active=state.active.at[slot].set(True),
     )
+
+
+@functools.partial(jax.jit, static_argnames=("cache_len",))
+def extract_kernel(state: DecodeState, slot, *, cache_len) -> Parked:
+    # Row `slot`'s first `cache_len` positions (>= its length) and metadata; `insert_kernel`
+    # puts them back, in any slot, bit for bit.
+    def take(x, b_ax, t_ax):
+        start = [0] * x.ndim
+        start[b_ax] = slot
+        sizes = list(x.shape)
+        sizes[b_ax], sizes[t_ax] = 1, cache_len
+        return jax.lax.dynamic_slice(x, start, sizes)
+
+    prefix = Prefix(
+        cache=jax.tree.map(take, state.cache, _batch_axis(), _length_axis()),
+        length=state.lengths[slot],
+        logits=state.logits[slot],
+        key=state.keys[slot],
+        temperature=state.temperature[slot],
+        top_k=state.top_k[slot],
+        top_p=state.top_p[slot],
+    )
+    return Parked(prefix=prefix, sampled=state.sampled[slot], seq=state.seq[slot])
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attend_len"), donate_argnums=(1,))
@@ -183,8 +231,9 @@ def write_kernel(
         sampled=state.sampled.at[rows_M].set(sampled_M, mode="drop"),
     )
     if reset is not None:
-        keys_M, temp_M, topk_M, topp_M = reset
+        keys_M, temp_M, topk_M, topp_M, seq_M = reset
         st = st.replace(
+            seq=st.seq.at[rows_M].set(seq_M, mode="drop"),
             keys=st.keys.at[rows_M].set(keys_M, mode="drop"),
             temperature=st.temperature.at[rows_M].set(temp_M, mode="drop"),
             top_k=st.top_k.at[rows_M].set(topk_M, mode="drop"),
@@ -219,7 +268,7 @@ def generate_kernel(
         keys_next, keys_use = split_keys(st.keys)
         logits_BV = st.logits
         if hook is not None:
-            logits_BV = hook(logits_BV, st.sampled, hook_data)
+            logits_BV = hook(logits_BV, st.sampled, st.seq, hook_data)
         tok_B, lp_B = sample_tokens(
             logits_BV, keys_use, st.temperature, st.top_k, st.top_p, mode=mode
         )

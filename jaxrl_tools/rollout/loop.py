@@ -7,6 +7,12 @@ tasks, and appends their observation tokens to that slot's KV cache when they ar
 waiting for a tool is paused (it does not advance); the other slots keep decoding, and a
 finished trajectory frees its slot for the next queued sample.
 
+More trajectories than slots can be in flight: when samples wait for a slot (queued, or back
+from a tool), a paused trajectory is parked: its cache row and sampling state are lifted out of
+the engine (`EngineCore.park`), its slot decodes another sample, and once its observation has
+arrived it comes back into whichever slot frees first (`unpark`) and decodes on exactly as if it
+had stayed. `RolloutLimits.max_parked` bounds the rows kept aside (in host memory).
+
 Stop rule (token-in-token-out): generation is never re-tokenised; where a chunk ends is decided
 by `stops.scan_chunk` (EOS ids and stop strings, which may end inside a token).
 
@@ -65,6 +71,9 @@ class RolloutLimits:
       chunk_size: decode steps per jitted generate call.
       max_context_tokens: prompt + response tokens of one trajectory (None: the engine's
         max_len); a segment or observation that would pass it ends the trajectory ("budget").
+      max_parked: trajectories waiting on a tool that may give up their slot to a waiting
+        sample (each keeps its cache row, up to its live length, in host memory meanwhile);
+        None: as many as the engine has slots; 0: a trajectory keeps its slot while it waits.
     """
 
     max_response_tokens: int = 512
@@ -73,23 +82,29 @@ class RolloutLimits:
     max_obs_tokens: int = 256
     chunk_size: int = 16
     max_context_tokens: int | None = None
+    max_parked: int | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if v is None and f.name == "max_context_tokens":
+            if v is None and f.name in ("max_context_tokens", "max_parked"):
                 continue
-            if not isinstance(v, int) or v < (0 if f.name == "max_tool_calls" else 1):
+            least = 0 if f.name in ("max_tool_calls", "max_parked") else 1
+            if not isinstance(v, int) or v < least:
                 raise ValueError(f"RolloutLimits.{f.name} must be a positive int, got {v!r}")
 
 
 class _Sample:
     """Host state of one trajectory while it runs."""
 
-    def __init__(self, traj: Trajectory, key):
+    def __init__(self, traj: Trajectory, key, index: int):
         self.traj = traj
         self.key = key
-        self.slot = -1
+        self.index = index  # position among all samples: the engine's sequence id
+        self.slot = -1  # -1: queued or parked
+        self.owned = True  # this process runs its tools and environment (multi-controller)
+        self.parked = None  # its engine row while it is parked
+        self.paused_at = 0  # pass in which its current tool / environment task began
         self.seg_start = 0  # response index where the current model segment began
         self.turns = 0
         self.session_id = f"{traj.prompt_index}-{traj.sample_index}-{uuid.uuid4().hex[:8]}"
@@ -202,7 +217,8 @@ async def arun_rollouts(
       stop_strings: strings that end the response ("stop"), e.g. "</answer>".
       eos_token_ids: default the engine's.
       tools_schema: tool declarations for the chat template (default executor.schemas()).
-      stats: optional dict filled with wall_s, generate_s, chunks.
+      stats: optional dict filled with wall_s, generate_s, chunks, parks (times a trajectory
+        gave up its slot while waiting), max_in_flight (most trajectories started and not done).
 
     Returns:
       Trajectories sorted by (prompt_index, sample_index).
@@ -239,36 +255,46 @@ async def arun_rollouts(
             raise ValueError(f"prompt {pi} has {len(ids)} tokens; need 1..{ctx_limit - 1}")
         pkey = jax.random.fold_in(base_key, pi)
         for g in range(num_samples):
-            s = _Sample(Trajectory(pi, g, list(ids)), np.asarray(jax.random.fold_in(pkey, g)))
+            key = np.asarray(jax.random.fold_in(pkey, g))
+            s = _Sample(Trajectory(pi, g, list(ids)), key, len(queue))
             if env_factory is not None:
                 s.env = env_factory(pi, g)
             queue.append(s)
 
     B = engine.slots
+    max_parked = B if limits.max_parked is None else limits.max_parked
+    by_index = list(queue)
     free = list(range(B))
-    running: dict[int, _Sample] = {}
-    # slot -> its tool / environment task; None for another process's slot (multi-controller)
-    paused: dict[int, asyncio.Task | None] = {}
+    running: dict[int, _Sample] = {}  # slot -> the sample in it
+    # sample index -> its tool / environment task; None where another process runs it
+    waiting: dict[int, asyncio.Task | None] = {}
+    parked: dict[int, _Sample] = {}  # sample index -> a sample whose row is out of the engine
+    resume: collections.deque = collections.deque()  # (parked sample, observation, reward)
     # Multi-controller (one process per host): every process runs this loop over all samples
     # and must make the same device calls. A process runs the tool calls and environment steps
-    # of its own block of slots only; at the top of each pass the processes agree on which of
-    # those have finished and share their results, so every host applies the same observations
-    # in the same pass, and sees the same trajectories.
+    # of the samples it first admitted into its own block of slots; at the top of each pass the
+    # processes agree on which of those have finished and share their results, so every host
+    # applies the same observations in the same pass, and sees the same trajectories.
     n_proc, me = jax.process_count(), jax.process_index()
     shared = n_proc > 1
     owns = lambda slot: not shared or slot * n_proc // B == me  # noqa: E731
     state = engine.init_decode_state()
     loop = asyncio.get_running_loop()
     t_gen = 0.0
-    n_chunks = 0
+    n_chunks = n_parks = max_in_flight = 0
     t0 = time.perf_counter()
 
     async def finish(s: _Sample, reason: str):
         s.traj.finish_reason = reason
         if decode is not None:
             s.traj.response_text = decode(s.traj.response_ids)
-        if executor is not None and owns(s.slot):
+        if executor is not None and s.owned:
             await executor.close_session(s.session_id)
+        if s.slot >= 0:
+            del running[s.slot]
+            free.append(s.slot)
+        parked.pop(s.index, None)
+        s.parked = None
         done.append(s.traj)
 
     async def run_calls(s: _Sample, parsed) -> list[str]:
@@ -354,45 +380,75 @@ async def arun_rollouts(
             return "turns"
         return resolve(s, kind, seg_text, parsed, reason == "eos")
 
-    while queue or running:
+    while queue or running or parked:
         # 1) observations that arrived: append them (one bucketed call), resume those slots
-        appends, finished_now = [], []
-        ready = [(slot, t.result()) for slot, t in list(paused.items()) if t and t.done()]
+        appends, finishing = [], []
+        ready = [(i, t.result()) for i, t in list(waiting.items()) if t and t.done()]
         if shared:
-            ready = _share_results(ready, running)
-        for slot, res in ready:
-            del paused[slot]
-            s = running[slot]
+            ready = _share_results(ready, by_index)
+        for i, res in ready:
+            del waiting[i]
+            s = by_index[i]
             if res[0] == "finish":
-                finished_now.append((slot, res[1]))
+                finishing.append((s, res[1]))
                 continue
             toks, reward = res[1], res[2]
             if len(s.traj.response_ids) + len(toks) >= limits.max_response_tokens:
-                finished_now.append((slot, "length"))
+                finishing.append((s, "length"))
             elif s.length + len(toks) >= ctx_limit:
-                finished_now.append((slot, "budget"))
+                finishing.append((s, "budget"))
+            elif s.slot >= 0:
+                appends.append((s, toks, reward))
             else:
-                appends.append((slot, s, toks, reward))
-        for slot, reason in finished_now:
-            await finish(running.pop(slot), reason)
-            free.append(slot)
+                resume.append((s, toks, reward))
+        for s, reason in finishing:
+            await finish(s, reason)
+        # 2) samples that want a slot: parked ones back from their tools first, then queued
+        # ones. When they outnumber the free slots, samples still waiting after a whole chunk
+        # (or while no slot decodes) are parked, the latest paused first: an instant result,
+        # such as an environment step's, arrives within the chunk it was dispatched in, and
+        # moving that row out and back would gain nothing.
+        want = len(resume) + len(queue) - len(free)
+        if want > 0 and len(parked) < max_parked:
+            decoding = any(x.index not in waiting for x in running.values())
+            in_slots = [
+                x
+                for x in running.values()
+                if x.index in waiting and (x.paused_at < n_chunks or not decoding)
+            ]
+            in_slots.sort(key=lambda x: (-x.paused_at, x.slot))
+            for s in in_slots[: min(want, max_parked - len(parked))]:
+                s.parked = engine.park(state, s.slot, s.length)
+                del running[s.slot]
+                free.append(s.slot)
+                s.slot = -1
+                parked[s.index] = s
+                n_parks += 1
+        free.sort()
+        while free and resume:
+            s, toks, reward = resume.popleft()
+            s.slot = free.pop(0)
+            state = engine.unpark(state, s.slot, s.parked)
+            s.parked = None
+            del parked[s.index]
+            running[s.slot] = s
+            appends.append((s, toks, reward))
         if appends:
             state = engine.write_slots(
                 params,
                 state,
-                [a[0] for a in appends],
-                [a[2] for a in appends],
-                starts=[a[1].length for a in appends],
-                sampled=[a[1].sampled for a in appends],
+                [a[0].slot for a in appends],
+                [a[1] for a in appends],
+                starts=[a[0].length for a in appends],
+                sampled=[a[0].sampled for a in appends],
             )
-            for _, s, toks, reward in appends:
+            for s, toks, reward in appends:
                 s.add_observation(toks, reward)
-        # 2) new samples into free slots (one bucketed call)
         new = []
-        free.sort()
         while free and queue:
             s = queue.popleft()
             s.slot = free.pop(0)
+            s.owned = owns(s.slot)
             running[s.slot] = s
             new.append(s)
         if new:
@@ -403,12 +459,14 @@ async def arun_rollouts(
                 [s.traj.prompt_ids for s in new],
                 starts=[0] * len(new),
                 reset=[(s.key, sampling) for s in new],
+                seq_ids=[s.index for s in new],
             )
+        max_in_flight = max(max_in_flight, len(running) + len(parked))
         active = np.zeros((B,), bool)
-        for slot in running:
-            active[slot] = slot not in paused
+        for slot, s in running.items():
+            active[slot] = s.index not in waiting
         if not active.any():
-            mine = [t for t in paused.values() if t is not None]
+            mine = [t for t in waiting.values() if t is not None]
             if mine:  # (multi-controller: a short wait, then agree on what others finished)
                 await asyncio.wait(
                     mine, return_when=asyncio.FIRST_COMPLETED, timeout=0.05 if shared else None
@@ -442,39 +500,42 @@ async def arun_rollouts(
             if reason is None:
                 continue
             if reason in ("length", "budget"):
-                await finish(running.pop(slot), reason)
-                free.append(slot)
+                await finish(s, reason)
                 continue
             out = end_segment(s, reason, stop_end)
+            s.paused_at = n_chunks
             if isinstance(out, str):
-                await finish(running.pop(slot), out)
-                free.append(slot)
-            elif owns(slot):
-                paused[slot] = asyncio.ensure_future(out)
+                await finish(s, out)
+            elif s.owned:
+                waiting[s.index] = asyncio.ensure_future(out)
             else:  # another process runs it; its result comes through _share_results
                 out.close()
-                paused[slot] = None
+                waiting[s.index] = None
 
     if stats is not None:
-        stats.update(wall_s=time.perf_counter() - t0, generate_s=t_gen, chunks=n_chunks)
+        stats.update(
+            wall_s=time.perf_counter() - t0,
+            generate_s=t_gen,
+            chunks=n_chunks,
+            parks=n_parks,
+            max_in_flight=max_in_flight,
+        )
     done.sort(key=lambda t: (t.prompt_index, t.sample_index))
     return done
 
 
-def _share_results(ready: list, running: dict[int, _Sample]) -> list:
-    """Every process's finished tool / environment results, in slot order, on every process.
+def _share_results(ready: list, samples: list[_Sample]) -> list:
+    """Every process's finished tool / environment results, in sample order, on every process.
 
     Each entry carries what the task recorded in its trajectory (`_TASK_FIELDS`), copied into
     the other processes' copies of that trajectory.
     """
-    mine = [
-        (slot, res, [getattr(running[slot].traj, f) for f in _TASK_FIELDS]) for slot, res in ready
-    ]
+    mine = [(i, res, [getattr(samples[i].traj, f) for f in _TASK_FIELDS]) for i, res in ready]
     out = []
-    for slot, res, values in sorted((e for part in agree(mine) for e in part), key=lambda e: e[0]):
+    for i, res, values in sorted((e for part in agree(mine) for e in part), key=lambda e: e[0]):
         for field, value in zip(_TASK_FIELDS, values):
-            setattr(running[slot].traj, field, value)
-        out.append((slot, res))
+            setattr(samples[i].traj, field, value)
+        out.append((i, res))
     return out
 
 

@@ -89,6 +89,7 @@ class Sampler:
             max_turns=settings.max_turns,
             max_obs_tokens=settings.max_obs_tokens,
             chunk_size=settings.chunk_size,
+            max_parked=settings.max_parked,
         )
         if episodes is not None:
             self.limits = dataclasses.replace(

@@ -395,6 +395,7 @@ def train(
             """Step `step`'s batch, sampled with `params`, and the time it took."""
             reward.step = step  # for rewards scheduled over training (ToolRL's scale)
             t0 = time.perf_counter()
+            sampler.take_metrics()  # (drops an evaluation's)
             # DAPO dynamic sampling draws more prompts (rounds) until the batch is full.
             batch = collect_batch(
                 lambda: next(loader),
@@ -403,6 +404,7 @@ def train(
                 group_size=group_size, rows=cfg.data.batch_size * group_size, pad_id=pad_id,
                 greedy_baseline=greedy, turn_rows=trainer.rows,
             )  # fmt: skip
+            batch.metrics.update(sampler.take_metrics())
             return batch, time.perf_counter() - t0
 
         ahead = AsyncRollouts(rollout) if t.async_rollouts else None

@@ -23,6 +23,7 @@ calls.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -60,6 +61,9 @@ def _config(tmp: Path, name: str, rollout_mesh: str | None) -> dict:
             "max_turns": 2,
             "max_obs_tokens": 16,
             "mesh": rollout_mesh,
+            # 8 samples on 4 slots: all 4 pause on their tool call in one chunk, and are parked
+            # so that the 4 queued samples decode meanwhile (rows leave and return across hosts)
+            "slots": 4,
         },
         tools=[{"class": "python", "config": {"mode": "stateless", "n_workers": 1}}],
         # Each run builds its own (process 0 of two, the other waiting for it).
@@ -104,6 +108,12 @@ def _launch(tmp: Path, name: str, processes: int) -> list[subprocess.Popen]:
         )
         for i in range(processes)
     ]
+
+
+def _notable(err: str) -> str:
+    """A process's stderr, short: its first error lines (the cause) and its last lines."""
+    first = [ln for ln in err.splitlines() if re.search(r"Traceback|Error|jaxrl-tools:", ln)]
+    return "\n".join(first[:20]) + "\n...\n" + err[-1500:]
 
 
 def _wait(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
@@ -156,7 +166,9 @@ def runs(tmp_path_factory):
         why = f"none in {TIMEOUT} s" if code is None else f"process 1 exited with {code}"
         for p in procs:
             p.kill()
-        ends = [f"process {i}: {p.communicate()[1].decode()[-3000:]}" for i, p in enumerate(procs)]
+        ends = [
+            f"process {i}: {_notable(p.communicate()[1].decode())}" for i, p in enumerate(procs)
+        ]
         pytest.fail(f"the two-process run wrote no checkpoint ({why})\n" + "\n".join(ends))
     procs[1].send_signal(signal.SIGKILL)
     t_kill = time.monotonic()
@@ -217,8 +229,9 @@ def test_the_tool_ran_and_both_runs_logged_the_same(runs):
     assert [r["step"] for r in two] == list(range(1, STEPS + 1))
     for a, b in zip(single, two):
         assert a["tools/calls_per_response"] > 0.5  # the sandbox ran for most samples
+        assert b["schedule/parks"] >= 4, b  # parked rows came back (the params match)
         for k in a:
-            if not k.startswith(("time", "throughput/")):
+            if not k.startswith(("time", "throughput/", "schedule/")):
                 assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
 
 

@@ -155,6 +155,9 @@ class EngineCore:
         # mode is the widest among the active slots. A slot never set samples at temperature 1.
         self._slot_mode = ["sample"] * self.slots
         self._build_jits()
+        if mesh is not None:
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self._replicate = jax.jit(lambda x: x, out_shardings=replicated)
         log.info(
             "KV cache: %d slots x %d positions, %s: %.3f GiB",
             self.slots,
@@ -424,6 +427,10 @@ class EngineCore:
         rows span processes.)"""
         cache_len = min(next_pow2(length, 16), self.max_len)
         parked = extract_kernel(decode_state, jnp.int32(slot), cache_len=cache_len)
+        if self._mesh is not None:
+            # Whole on every device first: a row left on one process's devices would make
+            # `to_host` a collective on the others only.
+            parked = self._replicate(parked)
         return jax.tree.map(to_host, parked).replace(mode=self._slot_mode[slot])
 
     def unpark(self, decode_state: DecodeState, slot: int, parked: Parked) -> DecodeState:

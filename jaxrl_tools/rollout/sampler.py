@@ -100,6 +100,7 @@ class Sampler:
         function_calling = executor is not None and declares_tools(settings.protocol)
         self.tools_schema = executor.schemas() if function_calling else []
         self.calls = 0  # checkpointed: a resumed run continues the same random streams
+        self._parks, self._in_flight = 0, 0  # the agent loop's scheduling since take_metrics
 
     def __call__(
         self,
@@ -138,6 +139,7 @@ class Sampler:
         if self.episodes is not None:
             seeds = [_env_seed(rec) for rec in records]
             env_factory = lambda pi, g: self.episodes.start(seeds[pi])  # noqa: E731
+        stats = {}
         trajs = run_rollouts(
             self.engine,
             params,
@@ -150,11 +152,22 @@ class Sampler:
             sampling=sampling,
             rng=seed,
             env_factory=env_factory,
+            stats=stats,
         )
+        self._parks += stats["parks"]
+        self._in_flight = max(self._in_flight, stats["max_in_flight"])
         if seeds is not None:
             for t in trajs:
                 t.env_seed = seeds[t.prompt_index]
         return trajs
+
+    def take_metrics(self) -> dict[str, float]:
+        """The agent loop's scheduling since the last call (then reset): trajectories parked
+        out of their slots while waiting on a tool, and the most in flight at once."""
+        out = {"schedule/parks": self._parks, "schedule/in_flight_max": self._in_flight}
+        out = {k: float(v) for k, v in out.items()}
+        self._parks, self._in_flight = 0, 0
+        return out
 
     def encode_prompt(self, record: Record) -> list[int]:
         """The record's prompt through the chat template, with its tool declarations."""

@@ -104,7 +104,7 @@ class _Sample:
         self.slot = -1  # -1: queued or parked
         self.owned = True  # this process runs its tools and environment (multi-controller)
         self.parked = None  # its engine row while it is parked
-        self.paused_at = 0  # pass in which its current tool / environment task began
+        self.paused_at = 0  # chunks decoded when its current tool / environment task began
         self.seg_start = 0  # response index where the current model segment began
         self.turns = 0
         self.session_id = f"{traj.prompt_index}-{traj.sample_index}-{uuid.uuid4().hex[:8]}"

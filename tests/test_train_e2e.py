@@ -64,8 +64,8 @@ def forcing_hook(logits_BV, sampled_B, seq_B, script_BK):
 
 
 def _scripts(tok) -> np.ndarray:
-    """Sample g of each prompt (sample index p * G + g): g = 0, 1 call the tool and answer right, g = 2
-    answers wrong without the tool, g = 3 calls the tool and answers wrong."""
+    """Sample g of each prompt (sample index p * G + g): g = 0, 1 call the tool and answer
+    right, g = 2 answers wrong without the tool, g = 3 calls the tool and answers wrong."""
     enc = lambda s: tok.encode(s, add_special_tokens=False)
     eos = [tok.convert_tokens_to_ids("<|im_end|>")]
     rows = []

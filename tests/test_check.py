@@ -98,6 +98,7 @@ def test_check_prints_the_plan_and_leaves_nothing(base, capsys):
         "micro-batch(es) of 4",
         "algorithm   grpo",
         "rollout     protocol retool, prompts <= 96 tokens",
+        "GiB; up to 8 rows parked in host memory (<= ",
         "tools       python (python sandbox, stateless; isolation bwrap available)",
         "train data  generated tool_arithmetic: 16 prompts, longest",
         "outputs     checkpoints",

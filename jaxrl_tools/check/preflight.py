@@ -55,9 +55,14 @@ def _cache_words(cfg: RunConfig, m: models.ModelConfig) -> str:
     r, dtype = cfg.rollout, cfg.model.dtypes.cache_dtype
     max_len = next_pow2(r.max_prompt_len, 16) + r.max_response_len
     size = models.cache_bytes(m, r.slots, max_len, dtype)
-    return (
+    words = (
         f"KV cache {r.slots} x {max_len} positions {jnp.dtype(dtype).name} = {size / 2**30:.3g} GiB"
     )
+    parked = r.slots if r.max_parked is None else r.max_parked
+    if parked:  # rows of trajectories waiting on tools, at most whole ones
+        parked_gib = models.cache_bytes(m, parked, max_len, dtype) / 2**30
+        words += f"; up to {parked} rows parked in host memory (<= {parked_gib:.3g} GiB)"
+    return words
 
 
 def _model_line(cfg: RunConfig, m: models.ModelConfig) -> str:

@@ -38,6 +38,7 @@ from jaxrl_tools.models.transformer import (
     param_shapes,
     unembed,
     unstack_layers,
+    untie_head,
 )
 
 __all__ = [
@@ -76,5 +77,6 @@ __all__ = [
     "save_pretrained",
     "unembed",
     "unstack_layers",
+    "untie_head",
     "with_lora",
 ]

@@ -212,11 +212,17 @@ def test_cache_chunks_at_explicit_positions_rows_of_different_lengths(loaded):
 
 @pytest.mark.parametrize("name", ["qwen2-4:2-tied", "qwen3-4:1-untied"])
 def test_unstacked_layers_give_the_same_logits_and_cache(loaded, name):
-    """Params with one tree per layer (what the engine decodes with on CPU) run the same model:
-    a full forward, and a prefill then two decode steps against the cache."""
+    """Params with one tree per layer and, with tied embeddings, an LM head of their own (what
+    the engine decodes with on CPU) run the same model: a full forward, and a prefill then two
+    decode steps against the cache."""
     _, _, config, params = loaded(name)
-    flat = jax.jit(M.unstack_layers)(params)
+    flat = jax.jit(lambda p: M.untie_head(M.unstack_layers(p)))(params)
     assert "layers" not in flat and len([k for k in flat if k.startswith("layers_")]) == 2
+    if config.tie_word_embeddings:
+        assert "lm_head" not in params
+        np.testing.assert_array_equal(flat["lm_head"]["kernel"], params["embed"]["embedding"].T)
+    else:
+        np.testing.assert_array_equal(flat["lm_head"]["kernel"], params["lm_head"]["kernel"])
     np.testing.assert_array_equal(
         flat["layers_1"]["mlp"]["up_proj"]["kernel"],
         params["layers"]["mlp"]["up_proj"]["kernel"][1],

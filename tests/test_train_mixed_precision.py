@@ -119,10 +119,10 @@ def test_engine_serves_a_bf16_copy_of_the_master_weights_refreshed_per_update(up
     assert {x.dtype for x in jax.tree.leaves(served)} == {jnp.dtype(jnp.bfloat16)}
     assert eng.serving_params(master) is served  # cast once per params object
     assert eng.serving_params(served) is served  # (what asynchronous rollouts hand back)
-    jax.tree.map(  # on CPU, one array per layer (`models.unstack_layers`)
+    jax.tree.map(  # on CPU, one array per layer and an LM head of its own
         lambda s, m: np.testing.assert_array_equal(s, np.asarray(m).astype(jnp.bfloat16)),
         served,
-        models.unstack_layers(master) if eng.unstack_layers else master,
+        models.untie_head(models.unstack_layers(master)) if eng.unstack_layers else master,
     )
     newer = jax.tree.map(lambda x: x + 1.0, master)
     assert eng.serving_params(newer) is not served

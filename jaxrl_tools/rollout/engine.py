@@ -55,7 +55,8 @@ def _cast_jit(params, dtype: str):
     return models.cast_floating(params, dtype)
 
 
-_unstack_jit = jax.jit(models.unstack_layers)
+# The CPU serving layout: one array per layer, and a [D, V] LM head for tied embeddings.
+_cpu_layout_jit = jax.jit(lambda params: models.untie_head(models.unstack_layers(params)))
 
 
 class EngineCore:
@@ -93,8 +94,9 @@ class EngineCore:
         length, not max_len. False: every step reads whole rows (the old engine; benchmarks).
       unstack_layers: serve a copy of the params with one array per layer
         (`models.unstack_layers`), made once per new params object: XLA:CPU copies every
-        layer's weights out of the stacked arrays on each decode step. None: on CPU only (one
-        more copy of the weights, where models are small).
+        layer's weights out of the stacked arrays on each decode step. With tied embeddings the
+        copy also holds the LM head as a [D, V] matrix (`models.untie_head`). None: on CPU only
+        (one more copy of the weights, where models are small).
     """
 
     def __init__(
@@ -191,7 +193,7 @@ class EngineCore:
             )
             served = jax.device_put(served, shardings)
         if self.unstack_layers and models.has_stacked_layers(served):
-            served = _unstack_jit(served)
+            served = _cpu_layout_jit(served)
         if served is not params:
             self._served = (params, served)
         return served

@@ -27,6 +27,7 @@ from jaxrl_tools.rollout.kernels import (
     Parked,
     Prefix,
     StepOutput,
+    cache_axis,
     extract_kernel,
     generate_kernel,
     insert_kernel,
@@ -374,11 +375,10 @@ class EngineCore:
         start = 0 if existing_prefix is None else int(existing_prefix.length)
         if start + n > self.max_len:
             raise ValueError(f"prefix of {start + n} tokens exceeds max_len={self.max_len}")
-        old_len = (
-            0
-            if existing_prefix is None
-            else jax.tree.leaves(existing_prefix.cache)[0].shape[self._cache_len_axis()]
-        )
+        old_len = 0
+        if existing_prefix is not None:
+            length_axis = jax.tree.leaves(cache_axis("cache_length"))[0]
+            old_len = jax.tree.leaves(existing_prefix.cache)[0].shape[length_axis]
         cache_len = min(next_pow2(max(start + bucket, old_len), 16), self.max_len)
         padded = np.zeros((bucket,), np.int32)
         padded[:n] = tokens
@@ -396,11 +396,6 @@ class EngineCore:
             top_k=jnp.int32(sp.top_k),
             top_p=jnp.float32(sp.top_p),
         )
-
-    def _cache_len_axis(self) -> int:
-        axes = models.cache_axes()
-        first = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))[0]
-        return first.index("cache_length")
 
     def insert(
         self, prefix: Prefix, decode_state: DecodeState, slot: int, *, rng: jax.Array | None = None

@@ -93,18 +93,12 @@ class StepOutput:
     valid: jax.Array  # bool [B, N] False where the slot was inactive (nothing advanced)
 
 
-def _batch_axis() -> Any:
-    """Index of the "batch" axis of each cache leaf (from the models' logical cache axes)."""
+def cache_axis(name: str) -> Any:
+    """Index of the logical axis `name` ("batch", "cache_length") in each cache leaf (a tree
+    like the cache, from the models' logical cache axes)."""
     axes = models.cache_axes()
     is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str | None) for a in x)
-    return jax.tree.map(lambda a: a.index("batch"), axes, is_leaf=is_axes)
-
-
-def _length_axis() -> Any:
-    """Index of the "cache_length" axis of each cache leaf."""
-    axes = models.cache_axes()
-    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str | None) for a in x)
-    return jax.tree.map(lambda a: a.index("cache_length"), axes, is_leaf=is_axes)
+    return jax.tree.map(lambda a: a.index(name), axes, is_leaf=is_axes)
 
 
 def _take_rows(cache, rows_M, batch_axis):
@@ -154,7 +148,7 @@ def insert_kernel(prefix: Prefix, state: DecodeState, slot, sampled, seq):
         start[ax] = slot
         return jax.lax.dynamic_update_slice(x, p.astype(x.dtype), start)
 
-    cache = jax.tree.map(put, state.cache, prefix.cache, _batch_axis())
+    cache = jax.tree.map(put, state.cache, prefix.cache, cache_axis("batch"))
     return state.replace(
         cache=cache,
         lengths=state.lengths.at[slot].set(prefix.length),
@@ -181,7 +175,7 @@ def extract_kernel(state: DecodeState, slot, *, cache_len) -> Parked:
         return jax.lax.dynamic_slice(x, start, sizes)
 
     prefix = Prefix(
-        cache=jax.tree.map(take, state.cache, _batch_axis(), _length_axis()),
+        cache=jax.tree.map(take, state.cache, cache_axis("batch"), cache_axis("cache_length")),
         length=state.lengths[slot],
         logits=state.logits[slot],
         key=state.keys[slot],
@@ -209,7 +203,7 @@ def write_kernel(
     # Runs each row's K tokens at positions starts..starts+K-1 (the first n are real) on a
     # gathered sub-cache of those rows and scatters it back; rows_M == B marks padding rows.
     # Attention reads the first `attend_len` positions (> every real token's position).
-    batch_axis = _batch_axis()
+    batch_axis = cache_axis("batch")
     K = tokens_MK.shape[1]
     sub = _take_rows(state.cache, rows_M, batch_axis)
     pos_MK = starts_M[:, None] + jnp.arange(K, dtype=jnp.int32)[None]

@@ -103,7 +103,6 @@ class _Sample:
         self.index = index  # position among all samples: the engine's sequence id
         self.slot = -1  # -1: queued or parked
         self.owned = True  # this process runs its tools and environment (multi-controller)
-        self.parked = None  # its engine row while it is parked
         self.paused_at = 0  # chunks decoded when its current tool / environment task began
         self.seg_start = 0  # response index where the current model segment began
         self.turns = 0
@@ -268,7 +267,7 @@ async def arun_rollouts(
     running: dict[int, _Sample] = {}  # slot -> the sample in it
     # sample index -> its tool / environment task; None where another process runs it
     waiting: dict[int, asyncio.Task | None] = {}
-    parked: dict[int, _Sample] = {}  # sample index -> a sample whose row is out of the engine
+    parked: dict = {}  # sample index -> its engine row (`EngineCore.park`) while out of a slot
     resume: collections.deque = collections.deque()  # (parked sample, observation, reward)
     # Multi-controller (one process per host): every process runs this loop over all samples
     # and must make the same device calls. A process runs the tool calls and environment steps
@@ -294,7 +293,6 @@ async def arun_rollouts(
             del running[s.slot]
             free.append(s.slot)
         parked.pop(s.index, None)
-        s.parked = None
         done.append(s.traj)
 
     async def run_calls(s: _Sample, parsed) -> list[str]:
@@ -418,19 +416,16 @@ async def arun_rollouts(
             ]
             in_slots.sort(key=lambda x: (-x.paused_at, x.slot))
             for s in in_slots[: min(want, max_parked - len(parked))]:
-                s.parked = engine.park(state, s.slot, s.length)
+                parked[s.index] = engine.park(state, s.slot, s.length)
                 del running[s.slot]
                 free.append(s.slot)
                 s.slot = -1
-                parked[s.index] = s
                 n_parks += 1
         free.sort()
         while free and resume:
             s, toks, reward = resume.popleft()
             s.slot = free.pop(0)
-            state = engine.unpark(state, s.slot, s.parked)
-            s.parked = None
-            del parked[s.index]
+            state = engine.unpark(state, s.slot, parked.pop(s.index))
             running[s.slot] = s
             appends.append((s, toks, reward))
         if appends:

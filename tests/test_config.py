@@ -107,6 +107,7 @@ def test_wrong_type_names_field(tmp_path):
         ("algorithm.clip_eps_low=0", "algorithm.clip_eps_low must be > 0"),
         ("algorithm.dual_clip_c=1.0", "algorithm.dual_clip_c must be > 1"),
         ("rollout.group_size=0", "rollout.group_size must be >= 1"),
+        ("rollout.max_parked=-1", "rollout.max_parked must be >= 0 or null, got -1"),
         ("rollout.protocol=openai", "rollout.protocol='openai' is not one of"),
         ("algorithm.adv_estimator=grp0", "did you mean 'grpo'"),
         ("algorithm.loss_agg_mode=mean", "algorithm.loss_agg_mode"),

@@ -91,7 +91,7 @@ class RolloutLimits:
                 continue
             least = 0 if f.name in ("max_tool_calls", "max_parked") else 1
             if not isinstance(v, int) or v < least:
-                raise ValueError(f"RolloutLimits.{f.name} must be a positive int, got {v!r}")
+                raise ValueError(f"RolloutLimits.{f.name} must be an int >= {least}, got {v!r}")
 
 
 class _Sample:

@@ -164,8 +164,10 @@ class Sampler:
     def take_metrics(self) -> dict[str, float]:
         """The agent loop's scheduling since the last call (then reset): trajectories parked
         out of their slots while waiting on a tool, and the most in flight at once."""
-        out = {"schedule/parks": self._parks, "schedule/in_flight_max": self._in_flight}
-        out = {k: float(v) for k, v in out.items()}
+        out = {
+            "schedule/parks": float(self._parks),
+            "schedule/in_flight_max": float(self._in_flight),
+        }
         self._parks, self._in_flight = 0, 0
         return out
 

@@ -45,6 +45,50 @@ class SkippedLine:
     reason: str
 
 
+def read_json_lines(path: Path):
+    """(line number, parsed value or None, error or None) for each non-blank line of a JSON
+    lines file. A line that is not UTF-8, not JSON, or holds a string no UTF-8 text can (an
+    unpaired surrogate escape such as "\\ud800", which tokenizers refuse) is an error."""
+    with path.open("rb") as fh:
+        for n, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield n, None, f"not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1})"
+                continue
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield n, None, f"bad JSON ({e.msg} at column {e.colno})"
+                continue
+            where = _unencodable(row)
+            if where is not None:
+                yield n, None, f"{where} holds an unpaired surrogate escape (not valid unicode)"
+                continue
+            yield n, row, None
+
+
+def _unencodable(value: Any, where: str = "the line") -> str | None:
+    """Where in a parsed JSON value a string (or key) cannot be UTF-8 text, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if (found := _unencodable(v, f"{where}[{i}]")) is not None:
+                return found
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            at = f"field {k!r}" if where == "the line" else f"{where}[{k!r}]"
+            if (found := _unencodable(k, at) or _unencodable(v, at)) is not None:
+                return found
+    return None
+
+
 def _check_messages(msgs: Any) -> str | None:
     if not isinstance(msgs, list) or not msgs:
         return "must be a non-empty string or a non-empty list of chat messages"
@@ -119,15 +163,8 @@ class RecordSource:
             for i, row in enumerate(rows, start=1):
                 self._add(path, i, row, raw_error=None)
         elif suffix in (".jsonl", ".json", ".ndjson"):
-            with path.open("r", encoding="utf-8") as fh:
-                for i, line in enumerate(fh, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row, err = json.loads(line), None
-                    except json.JSONDecodeError as e:
-                        row, err = None, f"bad JSON ({e.msg} at column {e.colno})"
-                    self._add(path, i, row, raw_error=err)
+            for i, row, err in read_json_lines(path):
+                self._add(path, i, row, raw_error=err)
         else:
             raise DataError(f"{path}: unsupported data file type {suffix!r} (jsonl or parquet)")
 
@@ -331,16 +368,13 @@ def load_sft_traces(files: Sequence[str | os.PathLike]) -> list[list[list[Any]]]
     for path in files:
         if not Path(path).is_file():
             raise DataError(f"SFT trace file not found: {path}")
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    out.append(json.loads(line)["segments"])
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise DataError(
-                        f"{path}:{n}: not a JSON object with 'segments' ({e})"
-                    ) from None
+        for n, row, err in read_json_lines(Path(path)):
+            if err is not None:
+                raise DataError(f"{path}:{n}: {err}")
+            try:
+                out.append(row["segments"])
+            except (KeyError, TypeError) as e:
+                raise DataError(f"{path}:{n}: not a JSON object with 'segments' ({e})") from None
     return out
 
 

@@ -49,13 +49,13 @@ def evaluate(
     metrics = rollout_metrics(trajs, scores, parts, group_size=g)
     metrics["num_problems"] = len(records)
     kind = reward.correctness
-    correct = np.array([is_correct(t.response_text, gt, kind) for t, gt in zip(trajs, gts)])
+    correct = np.array([is_correct(t.model_text, gt, kind) for t, gt in zip(trajs, gts)])
     used = np.array([t.num_tool_calls > 0 for t in trajs])
     metrics["reward/accuracy"] = float(correct.mean())
     if g > 1:  # pass@g: any of a problem's g samples correct
         metrics[f"reward/pass@{g}"] = float(correct.reshape(-1, g).any(axis=1).mean())
     if kind == "tool_calls":  # function calling: the calls against the ground truth's
-        metrics.update(function_call_metrics([t.response_text for t in trajs], gts))
+        metrics.update(function_call_metrics([t.model_text for t in trajs], gts))
     levels = np.array([records[i // g].get("difficulty", -1) for i in range(len(trajs))])
     for lv in sorted(set(levels.tolist()) - {-1}):
         sel = levels == lv

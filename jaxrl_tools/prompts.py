@@ -9,7 +9,7 @@ tool declarations, the template's own markup for tool and environment turns, and
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,61 @@ def chat_continuation(tokenizer, role: str, contents: Sequence[str]) -> str:
     msgs += [{"role": role, "content": c} for c in contents]
     text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     return text[text.index(marker) + len(marker) :]
+
+
+def _slot(i: int) -> str:
+    return f"\u2063jaxrl-observation-{i}\u2063"
+
+
+def encode_observation(
+    tokenizer, render: Callable[[list[str]], str], contents: Sequence[str], *, drop_prefix: str = ""
+) -> tuple[list[int], str]:
+    """An observation's tokens, and its markup with the contents left out.
+
+    `render(contents)` puts tool outputs (or an environment's text) into their markup: a
+    parser's inline format, or the chat template's tool / user turn. The markup is the
+    template's and may hold special tokens; the contents are untrusted text and never do: a tool
+    that prints "<|im_end|>" gets those characters, not an end-of-turn token. Where no content
+    spells a special token, the whole observation is encoded at once (the tokens the template's
+    whole text gives, as in SFT traces); where one does, each content is encoded apart with
+    special tokens split.
+
+    Args:
+      tokenizer: an HF tokenizer.
+      render: contents -> observation text; must insert each content verbatim, in order.
+      contents: the texts.
+      drop_prefix: text to drop from the front of the markup (an end-of-turn token the model
+        already sampled).
+
+    Returns:
+      (token ids, markup text): the markup is what rewards see in place of the observation
+      (`Trajectory.model_text`).
+    """
+    contents = list(contents)
+    shaped = render([_slot(i) for i in range(len(contents))])
+    markup, rest = [], shaped
+    for i in range(len(contents)):
+        head, found, rest = rest.partition(_slot(i))
+        if not found:
+            raise ValueError(
+                f"observation format {render!r} does not insert its texts verbatim and in "
+                "order; it must (they are encoded apart from its markup)"
+            )
+        markup.append(head)
+    markup.append(rest)
+    if drop_prefix and markup[0].startswith(drop_prefix):
+        markup[0] = markup[0][len(drop_prefix) :]
+
+    def encode(text: str, split: bool = False) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=split))
+
+    if all(encode(c) == encode(c, split=True) for c in contents):
+        whole = "".join(m + c for m, c in zip(markup, contents + [""]))
+        return encode(whole), "".join(markup)
+    ids: list[int] = []
+    for m, c in zip(markup, contents + [""]):
+        ids += encode(m) + (encode(c, split=True) if c else [])
+    return ids, "".join(markup)
 
 
 def encode_prompt(

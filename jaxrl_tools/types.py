@@ -74,7 +74,11 @@ class Trajectory:
       env_states: per env step, the state its action was taken in (`info["anchor_state"]`,
         GiGPO's anchor; None when the environment gives none).
       env_success: whether the environment's last step reached the goal (`info["success"]`).
-      response_text: decoded response (when a tokenizer was given).
+      response_text: decoded response, observations included (when a tokenizer was given).
+      model_text: what the model wrote: the response with each observation's text left out
+        (its markup kept, e.g. "<interpreter>\n\n</interpreter>" or the chat template's tool
+        turn), so that a tool's output or a retrieved passage cannot answer for the model.
+        Rewards and answer checks score this.
       env_seed: the seed its environment episode was reset with (None without an environment;
         the G samples of a prompt share it, so GiGPO's anchor states line up).
       turns: with windowed history (`env.history` last_k / state), the episode's turns, each
@@ -97,6 +101,7 @@ class Trajectory:
     env_states: list = dataclasses.field(default_factory=list)
     env_success: bool = False
     response_text: str = ""
+    model_text: str = ""
     env_seed: int | None = None
     turns: list[Trajectory] | None = None
 

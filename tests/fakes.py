@@ -117,7 +117,11 @@ def fixed_trajectories(seed: int = 0) -> list[Trajectory]:
             mask[2] = mask[3] = 0  # an observation inside the response
             text = "\\boxed{7}" if j < 2 else "\\boxed{8}"
             spans = [Span("model", 0, 2), Span("observation", 2, 4), Span("model", 4, n)]
-            out.append(Trajectory(g, j, prompt, resp, mask, [0.0] * n, spans, response_text=text))
+            out.append(
+                Trajectory(
+                    g, j, prompt, resp, mask, [0.0] * n, spans, response_text=text, model_text=text
+                )
+            )
     return out
 
 

@@ -12,6 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
+import jax
 import pytest
 import yaml
 from fakes import TINY_RUN_MODEL
@@ -220,6 +221,29 @@ def test_bad_data_lines_name_file_and_line(base, capsys, tmp_path):
     )
 
 
+def test_ground_truths_the_rewards_cannot_read_fail_at_check(base, capsys, tmp_path):
+    """A ground truth of the wrong type is found at `check`, not when the policy first answers."""
+    _, path = base
+    good = {"prompt": "Capital of France?", "golden_answers": ["Paris"]}
+    bad = jsonl(tmp_path / "qa.jsonl", [good, dict(good, golden_answers=5)])
+    argv = ["check", "--config", str(path), "data.task=null", "data.answer_key=golden_answers"]
+    qa = "reward=[{name: qa_em}]"
+    fails(
+        capsys,
+        [*argv, f"data.train_files={bad}", qa],
+        rf"{bad}:2: field 'golden_answers': reward 'qa_em' expects a string, a non-empty list "
+        r"of strings, or \{\"target\": \[strings\]\}; got int 5",
+    )
+    calls = jsonl(tmp_path / "calls.jsonl", [dict(good, golden_answers=[{"arguments": {}}])])
+    fails(
+        capsys,
+        [*argv, f"data.train_files={calls}", "reward=[{name: tool_n1}]"],
+        rf"{calls}:1: field 'golden_answers': reward 'tool_n1' expects a list of calls",
+    )
+    ok = jsonl(tmp_path / "ok.jsonl", [good, dict(good, golden_answers="Paris")])
+    assert main([*argv, f"data.train_files={ok}", qa]) == 0
+
+
 def test_long_prompts_are_dropped_when_asked(base, capsys, tmp_path):
     """`data.drop_long_prompts`: `check` counts them, and the train loader really drops them."""
     _, path = base
@@ -387,6 +411,33 @@ def test_smoke_keeps_the_family_and_the_models_own_tokenizer(base, tmp_path):
     assert cfg.tokenizer.path == str(model) and not cfg.tokenizer.build
     name_only = smoke_config(load_config(path, ["model.path=/models/Qwen3-8B"]))
     assert name_only.model.tiny.model_type == "qwen3"
+
+
+def test_smoke_keeps_the_command_lines_overrides(tmp_path):
+    """A value given on the command line wins over --smoke's own (a multi-process smoke run
+    needs its mesh: with 1x1x1 each process trained alone and could not checkpoint), except
+    model.* and tokenizer.*, which choose the tiny model."""
+    ckpt = str(tmp_path / "ckpt")
+    given = ["trainer.mesh=2x2x1", "--trainer.checkpoint_dir", ckpt, "trainer.steps=1"]
+    given += ["trainer.resume=true", "sft.num_traces=8", "model.path=/models/Qwen3-8B"]
+    cfg = smoke_config(load_config(ROOT / "configs" / "grpo_tool_math.yaml", given), given)
+    assert (cfg.trainer.mesh, cfg.trainer.checkpoint_dir, cfg.trainer.steps) == ("2x2x1", ckpt, 1)
+    assert cfg.trainer.resume and cfg.sft.num_traces == 8
+    assert cfg.trainer.log_dir == "runs/smoke/grpo_tool_math/logs"  # not given: the smoke's
+    assert cfg.model.path is None and cfg.model.tiny.model_type == "qwen3"
+
+
+def test_a_multi_process_run_on_one_device_is_an_error(base, monkeypatch):
+    """Each process would train alone on its own device, and fail at its first checkpoint."""
+    _, path = base
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "device_count", lambda: 4)
+    with pytest.raises(
+        ConfigError,
+        match=r"^trainer\.mesh=1x1x1 is one device, but this run has 2 processes: set "
+        r"trainer\.mesh to a DATAxFSDPxTENSOR shape over all 4 devices \(e\.g\. 1x4x1\), or auto$",
+    ):
+        check.check_mesh(load_config(path, ["trainer.mesh=1x1x1"]))
 
 
 @pytest.mark.parametrize("name", RECIPES)

@@ -12,6 +12,7 @@ from jaxrl_tools.data import (
     DataError,
     PromptLoader,
     RecordSource,
+    load_sft_traces,
     loader_from_config,
 )
 from jaxrl_tools.demo.tokenizer import build_tokenizer
@@ -77,6 +78,30 @@ def test_bad_line_error_names_file_and_line(tmp_path, bad, needle):
     with pytest.raises(DataError) as e:
         RecordSource([path])
     assert f"{path}:3" in str(e.value) and needle in str(e.value)
+
+
+def test_bad_unicode_is_a_bad_line_naming_file_and_line(tmp_path):
+    """A byte that is not UTF-8, or an unpaired surrogate escape (which JSON parses and every
+    tokenizer refuses), is the line's error, like bad JSON."""
+    good = json.dumps(_rows(1)[0]).encode() + b"\n"
+    cases = {
+        "latin1.jsonl": (b'{"prompt": "caf\xe9", "ground_truth": "1"}\n', "not UTF-8 (byte 0xe9"),
+        "surrogate.jsonl": (
+            b'{"prompt": [{"role": "user", "content": "x\\ud800"}], "ground_truth": "1"}\n',
+            "field 'prompt'[0]['content'] holds an unpaired surrogate",
+        ),
+    }
+    for name, (bad, needle) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(good + bad + good)
+        with pytest.raises(DataError) as e:
+            RecordSource([path])
+        assert str(e.value).startswith(f"{path}:2: ") and needle in str(e.value), e.value
+        assert len(RecordSource([path], skip_bad_lines=True)) == 2
+        traces = tmp_path / f"traces_{name}"
+        traces.write_bytes(bad.replace(b'"prompt"', b'"segments"'))
+        with pytest.raises(DataError, match=f"{traces}:1: .*(not UTF-8|surrogate)"):
+            load_sft_traces([traces])
 
 
 def test_skip_bad_lines_counts_and_logs(tmp_path, caplog):

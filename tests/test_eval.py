@@ -33,6 +33,7 @@ class ScriptedSampler:
                         int("search" in text),
                         "eos",
                         response_text=text,
+                        model_text=text,
                     )
                 )
         return out

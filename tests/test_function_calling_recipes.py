@@ -190,7 +190,7 @@ def test_evaluate_reports_call_metrics_for_function_calling():
     def sampler(recs, group_size, params, *, temperature=None, seed=None):
         return [
             Trajectory(i, 0, [1], [2], [1], [0.0], [Span("model", 0, 1)], [], 0, "eos",
-                       response_text=answers[r["id"]])
+                       response_text=answers[r["id"]], model_text=answers[r["id"]])
             for i, r in enumerate(recs)
         ]  # fmt: skip
 

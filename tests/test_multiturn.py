@@ -474,7 +474,15 @@ def test_kevin_estimator_matches_numpy_loop_on_random_inputs():
 
 def answer_traj(pi, g, text, n=4):
     return Trajectory(
-        pi, g, [1, 2, 3], [5] * n, [1] * n, [-1.0] * n, [Span("model", 0, n)], response_text=text
+        pi,
+        g,
+        [1, 2, 3],
+        [5] * n,
+        [1] * n,
+        [-1.0] * n,
+        [Span("model", 0, n)],
+        response_text=text,
+        model_text=text,
     )
 
 

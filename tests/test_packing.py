@@ -150,7 +150,11 @@ def _varied_trajectories(seed=0):
                 mask[1] = mask[2] = 0  # an observation inside the response
             text = "\\boxed{7}" if (j + g) % 2 == 0 else "\\boxed{8}"
             spans = [Span("model", 0, n)]
-            out.append(Trajectory(g, j, prompt, resp, mask, [0.0] * n, spans, response_text=text))
+            out.append(
+                Trajectory(
+                    g, j, prompt, resp, mask, [0.0] * n, spans, response_text=text, model_text=text
+                )
+            )
     return out
 
 

@@ -7,6 +7,8 @@ import pytest
 
 from jaxrl_tools import rewards as R
 from jaxrl_tools.rewards import CompositeReward, TrajectoryInfo
+from jaxrl_tools.train.batch import score_trajectories
+from jaxrl_tools.types import Span, Trajectory
 
 
 @pytest.mark.parametrize(
@@ -272,3 +274,25 @@ def test_ground_truth_call_forms():
     ):
         assert R.tool_n1_reward(resp, gt) == 1.0, gt
         assert R.toolrl_reward(resp, gt) == pytest.approx(4.0), gt
+
+
+def test_a_reward_that_raises_names_the_record_sample_and_response():
+    """A reward that raises on one trajectory (here qa_em on a ground truth it cannot read)
+    stops scoring with one error naming the reward, the record's file:line, the sample, the
+    ground truth and the start of the response; the thread pool path of slow rewards too."""
+    records = [
+        {"ground_truth": ["Paris"], "source": "qa.jsonl:1"},
+        {"ground_truth": 5, "source": "qa.jsonl:2"},
+    ]
+    trajs = [
+        Trajectory(i // 2, i % 2, [1], [2], [1], [0.0], [Span("model", 0, 1)], model_text=text)
+        for i, text in enumerate(["<answer>Paris</answer>", "x", "no", "<answer>5</answer>"])
+    ]
+    for terms in ([("qa_em", 1.0, {})], [("otc_ppo", 1.0, {"correctness": "qa_em"})]):
+        reward = CompositeReward(terms, max_workers=2)
+        with pytest.raises(R.RewardError) as e:
+            score_trajectories(reward, records, trajs, 2)
+        msg = str(e.value)
+        assert msg.startswith(f"qa.jsonl:2, sample 1: reward {terms[0][0]!r} raised TypeError")
+        assert "ground truth 5;" in msg and "response begins '<answer>5</answer>'" in msg
+        assert "\n" not in msg

@@ -52,8 +52,16 @@ def parse_passage(line: str | bytes, where: str, position: int) -> Passage:
         d = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 (byte {e.start + 1} of the line)") from None
     if not isinstance(d, dict):
         raise ValueError(f"{where}: a passage must be a JSON object")
+    try:  # an unpaired surrogate escape ("\ud800") parses, but no tokenizer takes it
+        json.dumps(d, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{where}: holds an unpaired surrogate escape (not valid unicode)"
+        ) from None
     pid = str(d.get("id", position))
     if "contents" in d:
         title, _, text = str(d["contents"]).partition("\n")

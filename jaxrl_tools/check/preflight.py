@@ -23,6 +23,7 @@ from jaxrl_tools.check.inputs import (
 )
 from jaxrl_tools.check.setup import (
     check_batch,
+    check_ground_truths,
     check_mesh,
     check_rewards,
     check_tools,
@@ -141,6 +142,7 @@ def preflight(cfg: RunConfig, *, needs_eval: bool = False) -> dict[str, Any]:
     n_traces = check_sft(cfg)
     built = check_tools(cfg)
     check_rewards(cfg)
+    check_ground_truths(cfg, records)
     mesh_shape, n_devices, warnings = check_mesh(cfg)
     for warning in warnings:
         log.warning("%s", warning)
@@ -224,9 +226,10 @@ def preflight_eval(cfg: RunConfig) -> None:
     checkpoint is found by the evaluation itself)."""
     check_model(cfg)
     check_tokenizer(cfg)
-    check_data(cfg, needs_eval=True, needs_train=False)
+    records = check_data(cfg, needs_eval=True, needs_train=False)
     check_tools(cfg)
     check_rewards(cfg)
+    check_ground_truths(cfg, records)
 
 
 def format_summary(summary: dict[str, Any]) -> str:

@@ -105,6 +105,21 @@ def check_rewards(cfg: RunConfig) -> None:
                 )
 
 
+def check_ground_truths(cfg: RunConfig, records: dict[str, Sequence[dict]]) -> None:
+    """Every record's ground truth is of a kind the run's rewards accept (a number where
+    exact match wants strings fails at `check`, not hours in, when the policy first answers)."""
+    reward = rewards.CompositeReward([(r.name, r.weight, r.kwargs) for r in cfg.reward])
+    for split, recs in records.items():
+        for n, rec in enumerate(recs):
+            msg = reward.truth_error(rec.get("ground_truth"))
+            if msg is not None:
+                where = rec.get("source") or f"{split} record {rec.get('id', n)}"
+                raise ConfigError(
+                    f"{where}: field {cfg.data.answer_key!r}: {msg} (fix the record, or the "
+                    "recipe's reward)"
+                )
+
+
 # ------------------------------------------------------------------------- devices, batches
 
 
@@ -121,6 +136,14 @@ def check_mesh(cfg: RunConfig) -> tuple[tuple[int, int, int], int, list[str]]:
     warn = []
     if shape is None:
         shape = (1, n, 1)
+    elif shape == (1, 1, 1) and jax.process_count() > 1:
+        # One device is no mesh: each process would train a copy of its own on its own device,
+        # and the first checkpoint would fail (host-local arrays cannot be saved).
+        raise ConfigError(
+            f"trainer.mesh=1x1x1 is one device, but this run has {jax.process_count()} "
+            f"processes: set trainer.mesh to a DATAxFSDPxTENSOR shape over all {n} devices "
+            f"(e.g. 1x{n}x1), or auto"
+        )
     elif shape == (1, 1, 1):
         warn = [] if n == 1 else [f"trainer.mesh=1x1x1 uses 1 of the {n} visible devices"]
     elif math.prod(shape) != n:

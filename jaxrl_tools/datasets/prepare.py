@@ -85,13 +85,15 @@ def _rows(path: Path) -> Iterator[tuple[str, Any]]:
     if not name.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")):
         raise DataError(f"{path}: unsupported input type (parquet, jsonl, json or jsonl.gz)")
     opener = gzip.open if name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as fh:
+    with opener(path, "rb") as fh:
         first = fh.readline()
-        if first.lstrip().startswith("["):  # one JSON array
+        if first.lstrip().startswith(b"["):  # one JSON array
             try:
                 rows = json.loads(first + fh.read())
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: bad JSON ({e.msg} at line {e.lineno})") from None
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}: not UTF-8 (byte {e.start + 1})") from None
             yield from ((f"{path}:{i}", row) for i, row in enumerate(rows, 1))
             return
         for i, line in enumerate(itertools.chain([first], fh), 1):
@@ -100,6 +102,8 @@ def _rows(path: Path) -> Iterator[tuple[str, Any]]:
                     yield f"{path}:{i}", json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{i}: bad JSON ({e.msg})") from None
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{i}: not UTF-8 (byte {e.start + 1})") from None
 
 
 def _get(row: Mapping, keys: tuple[str, ...]) -> Any:

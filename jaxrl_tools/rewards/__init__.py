@@ -41,6 +41,7 @@ from jaxrl_tools.rewards.outcome import (
 )
 from jaxrl_tools.rewards.registry import (
     CompositeReward,
+    RewardError,
     TrajectoryInfo,
     get_reward,
     register_reward,
@@ -62,6 +63,7 @@ __all__ = [
     "artist_tag_sequence",
     "CORRECTNESS_CHECKERS",
     "CompositeReward",
+    "RewardError",
     "TrajectoryInfo",
     "get_reward",
     "is_correct",

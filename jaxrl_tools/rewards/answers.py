@@ -137,6 +137,32 @@ CORRECTNESS_CHECKERS: dict[str, Callable[[str, Any], bool]] = {
 }
 
 
+def _scalar(x: Any) -> bool:
+    return isinstance(x, str | int | float) and not isinstance(x, bool)
+
+
+def math_truth_error(ground_truth: Any) -> str | None:
+    """What is wrong with a ground truth for "math" checking (None: nothing)."""
+    return None if _scalar(ground_truth) else "expects the answer as a string or a number"
+
+
+def qa_truth_error(ground_truth: Any) -> str | None:
+    """What is wrong with a ground truth for "qa_em" checking (None: nothing)."""
+    gt = ground_truth
+    if isinstance(gt, Mapping):
+        gt = gt.get("target", gt.get("answers"))
+    if isinstance(gt, str) or (isinstance(gt, list | tuple) and gt and all(map(_scalar, gt))):
+        return None
+    return 'expects a string, a non-empty list of strings, or {"target": [strings]}'
+
+
+# Checker name -> what ground truth it accepts (`register_reward(truth=...)`).
+TRUTH_CHECKS: dict[str, Callable[[Any], str | None]] = {
+    "math": math_truth_error,
+    "qa_em": qa_truth_error,
+}
+
+
 def is_correct(response: str, ground_truth: Any, kind: str = "math") -> bool:
     """Correctness by checker name ("math": last \\boxed{}, "qa_em": last <answer>)."""
     if kind not in CORRECTNESS_CHECKERS:

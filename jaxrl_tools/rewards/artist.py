@@ -19,7 +19,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from jaxrl_tools.rewards.answers import last_answer_tag, last_boxed, math_equal, qa_correct
+from jaxrl_tools.rewards.answers import (
+    TRUTH_CHECKS,
+    last_answer_tag,
+    last_boxed,
+    math_equal,
+    qa_correct,
+)
 from jaxrl_tools.rewards.registry import TrajectoryInfo, register_reward
 
 ARTIST_TAGS = ("think", "tool", "output", "answer")
@@ -78,7 +84,11 @@ def artist_format_reward(
     return sum(present) / len(present)
 
 
-@register_reward("artist_answer", slow=True)
+@register_reward(
+    "artist_answer",
+    slow=True,
+    truth=lambda gt, kwargs: TRUTH_CHECKS["qa_em" if kwargs.get("qa") else "math"](gt),
+)
 def artist_answer_reward(
     response: str,
     ground_truth: Any,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jaxrl_tools.rewards.answers import is_correct
+from jaxrl_tools.rewards.answers import TRUTH_CHECKS, is_correct
 from jaxrl_tools.rewards.registry import TrajectoryInfo, register_reward
 
 
@@ -37,7 +37,11 @@ def otc_grpo_tool_reward(m: int, n: int, c: float) -> float:
     return math.sin(f * math.pi / (2 * n))
 
 
-@register_reward("otc_ppo", slow=True)
+def _truth(ground_truth: Any, kwargs) -> str | None:
+    return TRUTH_CHECKS[kwargs.get("correctness", "math")](ground_truth)
+
+
+@register_reward("otc_ppo", slow=True, truth=_truth)
 def otc_ppo_reward(
     response: str,
     ground_truth: Any,
@@ -62,7 +66,7 @@ def otc_ppo_reward(
     return alpha * otc_ppo_tool_reward(m, c)
 
 
-@register_reward("otc_grpo", slow=True, group=True)
+@register_reward("otc_grpo", slow=True, group=True, truth=_truth)
 def otc_grpo_reward(
     response: str,
     ground_truth: Any,

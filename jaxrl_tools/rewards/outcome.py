@@ -97,7 +97,7 @@ def tool_success_reward(
     return sum(_record_ok(r) for r in info.tool_calls) / len(info.tool_calls)
 
 
-@register_reward("retool", slow=True)
+@register_reward("retool", slow=True, truth="math")
 def retool_reward(
     response: str,
     ground_truth: Any,

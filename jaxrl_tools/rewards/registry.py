@@ -1,10 +1,11 @@
 """Rule-based rewards, computed on the host, chosen by name from a registry and composed.
 
 Each reward is a function `fn(response, ground_truth, info, **kwargs) -> float` where
-`response` is the decoded model text of one trajectory (observations included, as the
-papers score it), `ground_truth` is the record's answer (a string / number / list / dict,
-depending on the reward) and `info` a `TrajectoryInfo` (tool-call records, counts, length and,
-for group rewards, the group's call counts and correctness).
+`response` is what the model wrote in one trajectory (`Trajectory.model_text`: each tool or
+environment observation's text left out, its markup kept, so that no tool output or retrieved
+passage can supply the answer), `ground_truth` is the record's answer (a string / number /
+list / dict, depending on the reward) and `info` a `TrajectoryInfo` (tool-call records,
+counts, length and, for group rewards, the group's call counts and correctness).
 
     reward = CompositeReward([("math", 1.0, {}), ("dapo_overlong", 1.0, {"max_len": 1024,
                                                                        "buffer": 256})])
@@ -25,9 +26,21 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_tools.rewards.answers import CORRECTNESS_CHECKERS, is_correct
+from jaxrl_tools.data import DataError
+from jaxrl_tools.rewards.answers import CORRECTNESS_CHECKERS, TRUTH_CHECKS, is_correct
 
 RewardFn = Callable[..., float]
+# f(ground_truth, the reward's kwargs) -> what is wrong with that ground truth, or None
+TruthCheck = Callable[[Any, Mapping[str, Any]], "str | None"]
+
+
+class RewardError(DataError):
+    """A reward raised on a trajectory; the message names the reward, the trajectory's index
+    in its batch (`index`), its ground truth and the start of its response."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
 
 
 @dataclass(frozen=True)
@@ -79,10 +92,16 @@ _REGISTRY: dict[str, RewardFn] = {}
 _SLOW: set[str] = set()
 _GROUP: set[str] = set()
 _CHECKERS: dict[str, str] = {}  # reward name -> the answer checker its accuracy is counted by
+_TRUTH: dict[str, TruthCheck] = {}  # reward name -> what ground truth it accepts
 
 
 def register_reward(
-    name: str, *, slow: bool = False, group: bool = False, correctness: str | None = None
+    name: str,
+    *,
+    slow: bool = False,
+    group: bool = False,
+    correctness: str | None = None,
+    truth: str | TruthCheck | None = None,
 ):
     """Register `fn(response, ground_truth, info, **kwargs) -> float` under `name`.
 
@@ -92,6 +111,9 @@ def register_reward(
       group: it needs the group context (info.group_num_calls / group_correct).
       correctness: the `CORRECTNESS_CHECKERS` name evaluations count as accuracy for a run with
         this reward (e.g. "tool_calls" for function-calling rewards).
+      truth: the ground truth it accepts, checked on every record before a run: a
+        `TRUTH_CHECKS` name ("math", "qa_em", "tool_calls") or a `TruthCheck`; default
+        `correctness`'s (or the reward's own name, when that is a checker's); None: anything.
     """
 
     def deco(fn: RewardFn) -> RewardFn:
@@ -104,6 +126,11 @@ def register_reward(
             _GROUP.add(name)
         if correctness is not None:
             _CHECKERS[name] = correctness
+        kind = truth or correctness or (name if name in CORRECTNESS_CHECKERS else None)
+        if isinstance(kind, str):
+            _TRUTH[name] = lambda gt, kwargs, kind=kind: TRUTH_CHECKS[kind](gt)
+        elif kind is not None:
+            _TRUTH[name] = kind
         return fn
 
     return deco
@@ -144,6 +171,22 @@ class _Term:
 
 def _call_term(term: _Term, response: str, gt: Any, info: TrajectoryInfo) -> float:
     return float(term.fn(response, gt, info, **term.kwargs))
+
+
+def _collect(term: _Term, values, responses: Sequence[str], ground_truths: Sequence[Any]):
+    """The term's values in order; the first that raises is a RewardError naming its item."""
+    out: list[float] = []
+    try:
+        for v in values:
+            out.append(v)
+    except Exception as e:  # noqa: BLE001 -- any reward bug or bad ground truth
+        i = len(out)
+        raise RewardError(
+            f"reward {term.name!r} raised {type(e).__name__}: {e} (ground truth "
+            f"{ground_truths[i]!r:.80}; response begins {responses[i][:120]!r})",
+            i,
+        ) from e
+    return out
 
 
 class CompositeReward:
@@ -198,6 +241,17 @@ class CompositeReward:
                 return kind
         return "math"
 
+    def truth_error(self, ground_truth: Any) -> str | None:
+        """What is wrong with a record's ground truth for these rewards, or None."""
+        for t in self.terms:
+            check = _TRUTH.get(t.name)
+            msg = check(ground_truth, t.kwargs) if check is not None else None
+            if msg is not None:
+                shown = repr(ground_truth)
+                shown = shown if len(shown) <= 60 else shown[:57] + "..."
+                return f"reward {t.name!r} {msg}; got {type(ground_truth).__name__} {shown}"
+        return None
+
     def components(self, response: str, ground_truth: Any, info: TrajectoryInfo | None = None):
         """Unweighted value of each term, by name."""
         info = self._at_step(info or TrajectoryInfo())
@@ -250,13 +304,15 @@ class CompositeReward:
                         )
                         pool = cls(max_workers=self.max_workers)
                     fn = functools.partial(_call_term, term)
-                    vals = list(pool.map(fn, responses, ground_truths, term_infos))
+                    vals = pool.map(fn, responses, ground_truths, term_infos)
                 else:
-                    vals = [
+                    vals = (
                         _call_term(term, r, g, i)
                         for r, g, i in zip(responses, ground_truths, term_infos)
-                    ]
-                parts[term.name] = np.asarray(vals, np.float32)
+                    )
+                parts[term.name] = np.asarray(
+                    _collect(term, vals, responses, ground_truths), np.float32
+                )
         finally:
             if pool is not None:
                 pool.shutdown()

@@ -66,7 +66,16 @@ def _index(corpus: str, cache_dir: str | None):
     return BM25Index(corpus, cache_dir)
 
 
-@register_reward("retrieval", slow=True)
+def _ids_truth(ground_truth: Any, kwargs) -> str | None:
+    gt = ground_truth
+    if isinstance(gt, Mapping) and all(isinstance(g, int | float) for g in gt.values()):
+        return None
+    if isinstance(gt, list | tuple) and all(isinstance(d, str | int) for d in gt):
+        return None
+    return "expects the relevant passage ids: a list, or {id: gain}"
+
+
+@register_reward("retrieval", slow=True, truth=_ids_truth)
 def retrieval_reward(
     response: str,
     ground_truth: Any,
@@ -147,7 +156,14 @@ def _gold_rows(db: str, sql: str, timeout_s: float, max_rows: int) -> list:
     return [_normalise(r) for r in run_readonly(db, sql, timeout_s, max_rows)]
 
 
-@register_reward("sql_exec", slow=True)
+def _sql_truth(ground_truth: Any, kwargs) -> str | None:
+    gt = ground_truth
+    if isinstance(gt, Mapping) and all(isinstance(gt.get(k), str) for k in ("db", "sql")):
+        return None
+    return 'expects {"db": a sqlite file, "sql": the gold query}'
+
+
+@register_reward("sql_exec", slow=True, truth=_sql_truth)
 def sql_exec_reward(
     response: str,
     ground_truth: Any,

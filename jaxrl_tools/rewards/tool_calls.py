@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxrl_tools.rewards.answers import CORRECTNESS_CHECKERS, tags_in_order
+from jaxrl_tools.rewards.answers import CORRECTNESS_CHECKERS, TRUTH_CHECKS, tags_in_order
 from jaxrl_tools.rewards.registry import TrajectoryInfo, register_reward
 from jaxrl_tools.tools import read_tool_calls
 
@@ -212,8 +212,23 @@ def exact_call_match(response: str, ground_truth: Any) -> bool:
     return Counter(map(key, pred)) == Counter(map(key, ground_truth_calls(ground_truth)))
 
 
+def calls_truth_error(ground_truth: Any) -> str | None:
+    """What is wrong with a ground truth of function calls (None: nothing)."""
+    try:
+        calls = ground_truth_calls(ground_truth)
+    except (AttributeError, TypeError, ValueError):
+        calls = None
+    if calls is not None and all(isinstance(c["name"], str) for c in calls):
+        return None
+    return (
+        'expects a list of calls ({"name": ..., "arguments": {...}}), {"tool_calls": [...]}, '
+        "or an answer string with <tool_call> blocks"
+    )
+
+
 # Evaluations of function-calling runs count exact call matches as accuracy.
 CORRECTNESS_CHECKERS["tool_calls"] = exact_call_match
+TRUTH_CHECKS["tool_calls"] = calls_truth_error
 
 
 @register_reward("tool_n1", correctness="tool_calls")

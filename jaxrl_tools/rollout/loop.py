@@ -49,7 +49,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_tools.prompts import chat_continuation, render_prompt
+from jaxrl_tools.prompts import chat_continuation, encode_observation, render_prompt
 from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.rollout.stops import scan_chunk
 from jaxrl_tools.sharding.distributed import agree, to_host
@@ -108,6 +108,7 @@ class _Sample:
         self.turns = 0
         self.session_id = f"{traj.prompt_index}-{traj.sample_index}-{uuid.uuid4().hex[:8]}"
         self.env = None
+        self.markups: list[str] = []  # each observation's markup, its texts left out
 
     @property
     def length(self) -> int:
@@ -133,8 +134,9 @@ class _Sample:
         t.loss_mask.extend([1] * len(toks))
         t.logprobs.extend(float(x) for x in lps)
 
-    def add_observation(self, toks, reward=None):
+    def add_observation(self, toks, reward, markup: str):
         t = self.traj
+        self.markups.append(markup)
         t.spans.append(
             Span("observation", len(t.response_ids), len(t.response_ids) + len(toks), reward)
         )
@@ -242,7 +244,6 @@ async def arun_rollouts(
     base_key = jax.random.PRNGKey(rng) if isinstance(rng, int) else rng
 
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None
-    encode = (lambda s: list(tokenizer.encode(s, add_special_tokens=False))) if tokenizer else None
 
     # Where a trajectory's context ends: the KV cache, or a smaller per-episode budget.
     ctx_limit = min(engine.max_len, limits.max_context_tokens or engine.max_len)
@@ -268,7 +269,8 @@ async def arun_rollouts(
     # sample index -> its tool / environment task; None where another process runs it
     waiting: dict[int, asyncio.Task | None] = {}
     parked: dict = {}  # sample index -> its engine row (`EngineCore.park`) while out of a slot
-    resume: collections.deque = collections.deque()  # (parked sample, observation, reward)
+    # (parked sample, observation tokens, reward, markup)
+    resume: collections.deque = collections.deque()
     # Multi-controller (one process per host): every process runs this loop over all samples
     # and must make the same device calls. A process runs the tool calls and environment steps
     # of the samples it first admitted into its own block of slots; at the top of each pass the
@@ -287,6 +289,7 @@ async def arun_rollouts(
         s.traj.finish_reason = reason
         if decode is not None:
             s.traj.response_text = decode(s.traj.response_ids)
+            s.traj.model_text = _model_text(s.traj, s.markups, decode)
         if executor is not None and s.owned:
             await executor.close_session(s.session_id)
         if s.slot >= 0:
@@ -323,20 +326,20 @@ async def arun_rollouts(
             texts.append(rec.observation)
         return texts
 
-    def continuation(role: str, texts: list[str]) -> str:
-        """Observation text after a model segment: inline (the parser's format) or, for chat
+    def continuation(role: str) -> Callable[[list[str]], str]:
+        """How texts are shaped after a model segment: inline (the parser's format) or, for chat
         protocols and environment turns, the chat template's own turn markup."""
         if role == "tool" and not getattr(parser, "chat_role", None):
-            return parser.format_observation(texts)
+            return parser.format_observation
         if role == "user" and env_format is not None:
-            return env_format(texts[0])
-        return chat_continuation(tokenizer, role, texts)
+            return lambda texts: env_format(texts[0])
+        return lambda texts: chat_continuation(tokenizer, role, texts)
 
     async def resolve(s: _Sample, kind: str, seg_text: str, parsed, ended_with_eos: bool):
-        """Returns ("append", tokens, reward) or ("finish", reason)."""
+        """Returns ("append", tokens, reward, markup) or ("finish", reason)."""
         reward = None
         if kind == "tool":
-            obs = continuation("tool", await run_calls(s, parsed))
+            role, texts = "tool", await run_calls(s, parsed)
         else:
             step = s.env.step(seg_text)
             step = (await step) if inspect.isawaitable(step) else step
@@ -347,11 +350,11 @@ async def arun_rollouts(
             s.traj.env_success = bool(info.get("success"))
             if is_done:
                 return ("finish", "done")
-            obs, reward = continuation("user", [obs_text]), float(reward)
+            role, texts, reward = "user", [obs_text], float(reward)
+        # (an EOS token the model sampled already closed the turn)
         last = decode([s.traj.response_ids[-1]]) if ended_with_eos else ""
-        if last and obs.startswith(last):  # the EOS token already closed the turn
-            obs = obs[len(last) :]
-        return ("append", encode(obs), reward)
+        ids, markup = encode_observation(tokenizer, continuation(role), texts, drop_prefix=last)
+        return ("append", ids, reward, markup)
 
     def end_segment(s: _Sample, reason: str, stop_end: int | None):
         """After a segment ended with reason in {tool, eos, stop}: a coroutine or a finish."""
@@ -390,15 +393,15 @@ async def arun_rollouts(
             if res[0] == "finish":
                 finishing.append((s, res[1]))
                 continue
-            toks, reward = res[1], res[2]
+            toks = res[1]
             if len(s.traj.response_ids) + len(toks) >= limits.max_response_tokens:
                 finishing.append((s, "length"))
             elif s.length + len(toks) >= ctx_limit:
                 finishing.append((s, "budget"))
             elif s.slot >= 0:
-                appends.append((s, toks, reward))
+                appends.append((s, *res[1:]))
             else:
-                resume.append((s, toks, reward))
+                resume.append((s, *res[1:]))
         for s, reason in finishing:
             await finish(s, reason)
         # 2) samples that want a slot: parked ones back from their tools first, then queued
@@ -423,11 +426,11 @@ async def arun_rollouts(
                 n_parks += 1
         free.sort()
         while free and resume:
-            s, toks, reward = resume.popleft()
+            s, *obs = resume.popleft()
             s.slot = free.pop(0)
             state = engine.unpark(state, s.slot, parked.pop(s.index))
             running[s.slot] = s
-            appends.append((s, toks, reward))
+            appends.append((s, *obs))
         if appends:
             state = engine.write_slots(
                 params,
@@ -437,8 +440,8 @@ async def arun_rollouts(
                 starts=[a[0].length for a in appends],
                 sampled=[a[0].sampled for a in appends],
             )
-            for s, toks, reward in appends:
-                s.add_observation(toks, reward)
+            for s, toks, reward, markup in appends:
+                s.add_observation(toks, reward, markup)
         new = []
         while free and queue:
             s = queue.popleft()
@@ -536,6 +539,16 @@ def _share_results(ready: list, samples: list[_Sample]) -> list:
 
 # What `run_calls` and `resolve` write into a trajectory besides the observation tokens.
 _TASK_FIELDS = ("tool_calls", "num_tool_calls", "env_rewards", "env_states", "env_success")
+
+
+def _model_text(traj: Trajectory, markups: list[str], decode) -> str:
+    """The response as the model wrote it: its own spans decoded, each observation replaced by
+    its markup alone (what rewards score: a tool cannot print the answer for the model)."""
+    it = iter(markups)
+    return "".join(
+        decode(traj.response_ids[sp.start : sp.end]) if sp.kind == "model" else next(it)
+        for sp in traj.spans
+    )
 
 
 async def _safe(coro):

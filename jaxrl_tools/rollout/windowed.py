@@ -167,6 +167,7 @@ async def arun_windowed(
         live = still
     for t in done:
         t.response_text = "\n".join(turn.response_text for turn in t.turns)
+        t.model_text = "\n".join(turn.model_text for turn in t.turns)
     done.sort(key=lambda t: (t.prompt_index, t.sample_index))
     return done
 

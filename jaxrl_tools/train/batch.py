@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxrl_tools import algorithms
 from jaxrl_tools.config import FiltersSection
-from jaxrl_tools.rewards import CORRECTNESS_CHECKERS, CompositeReward, TrajectoryInfo
+from jaxrl_tools.rewards import CORRECTNESS_CHECKERS, CompositeReward, RewardError, TrajectoryInfo
 from jaxrl_tools.types import Batch, Record, Trajectory
 
 
@@ -73,7 +73,13 @@ def score_trajectories(
     ]
     group_ids = [i // group_size for i in range(len(trajectories))]
     gts = [records[g].get("ground_truth") for g in group_ids]
-    return reward.batch([t.response_text for t in trajectories], gts, infos, group_ids=group_ids)
+    texts = [t.model_text for t in trajectories]
+    try:
+        return reward.batch(texts, gts, infos, group_ids=group_ids)
+    except RewardError as e:  # name the record and sample, and stop the run
+        rec = records[group_ids[e.index]]
+        where = rec.get("source") or f"record {rec.get('id', group_ids[e.index])}"
+        raise RewardError(f"{where}, sample {e.index % group_size}: {e}", e.index) from None
 
 
 def rollout_metrics(

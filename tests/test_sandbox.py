@@ -458,3 +458,24 @@ def test_http_front_speaks_sandbox_fusion(pool):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_http_front_binds_localhost_by_default_and_says_where(pool, caplog):
+    with caplog.at_level(logging.INFO, logger=pool_mod.__name__):
+        server = pool_mod.make_http_server(pool, port=0)
+    try:
+        host, port = server.server_address[:2]
+        assert host == "127.0.0.1"
+        said = [r.getMessage() for r in caplog.records if "listening" in r.getMessage()]
+        assert said == [f"sandbox /run_code front listening on http://127.0.0.1:{port}/run_code"]
+    finally:
+        server.server_close()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=pool_mod.__name__):
+        server = pool_mod.make_http_server(pool, host="0.0.0.0", port=0)  # never served
+    try:
+        assert server.server_address[0] == "0.0.0.0"
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "http://0.0.0.0:" in warned[0], warned
+    finally:
+        server.server_close()

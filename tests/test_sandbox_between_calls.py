@@ -4,6 +4,7 @@ none of A's state and be served at its normal latency."""
 
 import asyncio
 import os
+import platform
 import socket
 import threading
 import time
@@ -77,15 +78,137 @@ def test_unremovable_and_deep_trees_are_cleaned_without_losing_the_worker(pool):
     assert wait_until(lambda: settled_tmpfs_inodes(pool) == base, timeout=10.0)
 
 
-def test_cleanup_that_overruns_its_budget_replaces_the_worker_off_the_callers_clock():
-    cfg = SandboxConfig(timeout_s=5.0, memory_mb=512, cleanup_timeout_s=0.05, preload=("math",))
-    with SandboxPool(2, cfg) as p:
-        many = "import os\nfor i in range(30000):\n    open(f'f{i}', 'w').close()\nprint('made')"
-        assert p.run_sync(many).stdout == "made\n"
-        assert_next_call_normal(p)  # served by the other worker while this one is replaced
-        assert wait_until(lambda: p.metrics().get("worker_recycled", 0) == 1, timeout=5.0)
-        assert wait_until(lambda: p._idle.qsize() == 2, timeout=15)
+def busy_making(kind: str, seconds: float) -> str:
+    """A snippet that makes empty files or directories in its work dir for `seconds`."""
+    make = "open(f'e{n}', 'w').close()" if kind == "files" else "os.mkdir(f'e{n}')"
+    return (
+        f"import os, time\nend = time.monotonic() + {seconds}\nn = 0\n"
+        f"while time.monotonic() < end:\n    {make}\n    n += 1\nprint(n)"
+    )
+
+
+def test_slow_cleanup_of_a_call_never_lands_on_the_next_callers_clock():
+    with SandboxPool(1, SandboxConfig(timeout_s=5.0, memory_mb=512, preload=("math",))) as p:
+        base = settled_tmpfs_inodes(p)
+        res = p.run_sync(busy_making("dirs", 1.5))
+        assert res.ok and int(res.stdout) > 1000, res
+        latencies = []
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:  # while A's dirs are removed (or its worker replaced)
+            res = p.run_sync("print(1 + 1)")
+            assert res.ok and res.stdout == "2\n", res
+            latencies.append(round(res.latency_s, 3))
+            time.sleep(0.2)
+        assert max(latencies) < NORMAL_LATENCY_S, latencies
         assert p.metrics().get("worker_restarts", 0) == 0
+        assert wait_until(lambda: settled_tmpfs_inodes(p) == base, timeout=30.0)
+
+
+def test_cleanup_that_overruns_its_budget_replaces_the_worker_off_every_callers_clock():
+    cfg = SandboxConfig(timeout_s=5.0, memory_mb=512, cleanup_timeout_s=0.05, preload=("math",))
+    with SandboxPool(1, cfg) as p:
+        first = p.worker_pids()
+        assert int(p.run_sync(busy_making("files", 1.0)).stdout) > 1000
+        # The only worker serves on while its cleaner is behind and its replacement starts.
+        end = time.monotonic() + 20.0
+        while p.worker_pids() == first and time.monotonic() < end:
+            assert_next_call_normal(p)
+            time.sleep(0.05)
+        assert p.worker_pids() != first
+        assert p.metrics().get("worker_recycled", 0) == 1
+        assert_next_call_normal(p)
+        assert wait_until(lambda: p._idle.qsize() == 1, timeout=15)
+        assert p.metrics().get("worker_restarts", 0) == 0
+
+
+# --------------------------------------------------------------------------- descriptors
+OPEN_FDS = (
+    "import os\nopen_fds = []\nfor name in os.listdir('/proc/self/fd'):\n"
+    "    try:\n        os.fstat(int(name))\n"
+    "    except OSError:\n        continue  # the listing's own descriptor, closed by now\n"
+    "    open_fds.append(int(name))\nprint(sorted(fd for fd in open_fds if fd > 2))"
+)
+
+
+def test_no_descriptor_of_the_worker_or_an_earlier_call_reaches_a_call(pool):
+    hoard = (
+        "import os, time\nfds = [os.open('/dev/null', os.O_RDONLY) for _ in range(40)]\n"
+        "r, w = os.pipe()\nfor i, fd in enumerate(fds + [r, w]):\n"
+        "    os.dup2(fd, 60 + i)  # inheritable\n"
+        "os.dup2(w, 19)\nos.dup2(r, 3)\n"
+        "if os.fork() == 0:  # a child inherits them all and tries to outlive the call\n"
+        "    os.setsid()\n    time.sleep(30)\n    os._exit(0)\n"
+        "print(len(os.listdir('/proc/self/fd')))"
+    )
+    res = pool.run_sync(hoard)
+    assert res.ok and int(res.stdout) > 40, res
+    for _ in range(2):  # the same worker, a fresh snippet process each time
+        res = pool.run_sync(OPEN_FDS)
+        assert res.ok and res.stdout == "[]\n", res
+
+
+# --------------------------------------------------------------------------- processes
+def processes_under(roots) -> list[str]:
+    """State and command of every process below `roots` (the workers' outermost processes)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    out, todo = [], list(roots)
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            try:
+                with open(f"/proc/{pid}/stat") as fh:
+                    out.append(fh.read().rsplit(")", 1)[1].split()[0] + f" {pid}")
+            except OSError:
+                pass
+    return out
+
+
+_CLONE = {"x86_64": 56, "aarch64": 220}.get(platform.machine())
+HOSTILE_CALLS = {
+    "daemon": (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        "        time.sleep(60)\n    os._exit(0)\ntime.sleep(0.2)\nprint('ok')"
+    ),
+    "kill_all": "import os\nos.kill(-1, 9)",
+    # clone(CLONE_PARENT | SIGCHLD): a sibling of the snippet process, i.e. a child of the
+    # zygote, outside the snippet's own process tree.
+    "sibling": (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.syscall.restype = ctypes.c_long\n"
+        f"pid = libc.syscall({_CLONE}, 0x8000 | 17, 0, 0, 0, 0)\n"
+        "if pid == 0:\n    libc.pause()\nprint(pid)"
+    ),
+}
+
+
+def settled_processes(pool) -> list[str]:
+    """The processes under the pool's only worker once it is idle again (it forks its next
+    snippet process after the answer, off the caller's clock)."""
+    assert wait_until(lambda: pool._idle.qsize() == 1)
+    return processes_under(pool.worker_pids())
+
+
+@pytest.mark.skipif(_CLONE is None, reason="clone's syscall number unknown on this machine")
+def test_hostile_calls_leave_no_process_behind(pool):
+    assert_next_call_normal(pool)
+    before = settled_processes(pool)
+    for name, code in HOSTILE_CALLS.items():
+        res = pool.run_sync(code)
+        assert res.status != "SandboxError", (name, res)
+        assert wait_until(lambda: len(settled_processes(pool)) == len(before)), (
+            name,
+            before,
+            settled_processes(pool),
+        )
+        assert_next_call_normal(pool)
 
 
 # --------------------------------------------------------------------------- IPC and memory

@@ -7,10 +7,11 @@ job). Before running model code that process gets: its own process group, a fres
 rlimits (CPU, address space, nproc, fsize, nofile, core), first place for the OOM killer, a
 Landlock domain (read-only view, writes only in its work dir, no TCP, no signals or abstract
 sockets outside its own domain) and a seccomp filter (no sockets but socketpair, no IPC objects
-or memfds, no ptrace, mount, namespaces, bpf, ...). It writes its exit code on a pipe as it ends.
-After each snippet every process in the sandbox but the worker and its zygote is SIGKILLed, the
-answer is sent, the work dir is emptied (bounded in time), the next snippet process is forked,
-and a "ready" frame tells the host the worker is clean.
+or memfds, no ptrace, mount, namespaces, bpf, CLONE_PARENT, ...) and no descriptor but its 0-2.
+After each snippet every process in the sandbox but the worker, its zygote and its cleaner is
+SIGKILLed, the answer is sent, the work dir is moved into a trash dir that the cleaner process
+empties in the background, the next snippet process is forked, and a "ready" frame tells the host
+the worker can take the next call (and whether it asks to be recycled: its cleanup fell behind).
 
 Self-contained on purpose (standard library + pyseccomp only): it is bound into the sandbox as a
 single file, the jaxrl_tools package is not visible there.
@@ -201,6 +202,8 @@ _CLONE_NS_FLAGS = (
     0x20000000,
     0x40000000,
 )
+# A sibling of the snippet process would be a child of the zygote, outside every kill and reap.
+_CLONE_PARENT = 0x00008000
 
 
 class _SockFprog(ctypes.Structure):
@@ -237,7 +240,7 @@ def build_seccomp_filter():
     f.add_rule(sc.ERRNO(errno.EPERM), "sendto", sc.Arg(4, sc.NE, 0))  # an address given
     # clone3's flags live in memory seccomp cannot read: ENOSYS makes libc fall back to clone.
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
-    for flag in _CLONE_NS_FLAGS:
+    for flag in _CLONE_NS_FLAGS + (_CLONE_PARENT,):
         f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     with tempfile.TemporaryFile() as fh:
         f.export_bpf(fh)
@@ -307,7 +310,9 @@ class Worker:
     snippet, a copy of the zygote's memory, cannot find an earlier call's code, stdin, files or
     output there (a fork of this process could: its heap keeps freed request data). The next
     snippet process is forked ahead, between calls, and waits on its own pipe for its job: the
-    fork is off the caller's clock.
+    fork is off the caller's clock. So is the cleanup: a call's work dir is moved into a trash
+    dir (no snippet may see it: Landlock lets each one see only its own work dir) and emptied by
+    the cleaner, another process forked at start, while the worker already serves the next call.
     """
 
     def __init__(self, cfg: dict, in_fd: int, out_fd: int):
@@ -324,14 +329,31 @@ class Worker:
         self.base_vm = _vm_size()
         self.n = 0
         self.cleanup_s = float(cfg.get("cleanup_timeout_s", 2.0))
-        # /tmp is the sandbox's own tmpfs under bwrap; a private base dir keeps unsafe mode sane.
-        # It holds only the work dirs of calls, emptied after each one.
+        # /tmp is the sandbox's own tmpfs under bwrap; private dirs keep unsafe mode sane. The
+        # base holds the work dirs of calls; after each call they go to the trash.
         self.base = tempfile.mkdtemp(prefix="sbx_", dir="/tmp")
+        self.trash = tempfile.mkdtemp(prefix="sbx_trash_", dir="/tmp")
+        self.trashed = 0
+        self.uncleaned: dict[int, float] = {}  # trash batch -> when the cleaner was told
+        self.cleaner_failed = False
+        # Forked before any request, like the zygote: no call's data is in its memory.
+        self.cleaner_sock, csock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.cleaner = os.fork()
+        if self.cleaner == 0:
+            try:
+                self.cleaner_sock.close()
+                os.close(in_fd)
+                os.close(out_fd)
+                _cleaner_loop(csock, self.trash)
+            finally:
+                os._exit(0)
+        csock.close()
         self.ctrl, zsock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.zygote = os.fork()
         if self.zygote == 0:
             try:
                 self.ctrl.close()
+                self.cleaner_sock.close()
                 os.close(in_fd)
                 os.close(out_fd)
                 self._zygote_loop(zsock)
@@ -373,7 +395,7 @@ class Worker:
             try:
                 req = _recv(self.in_fd)
             except EOFError:
-                _empty_dir(self.base, time.monotonic() + self.cleanup_s)
+                self._close()
                 return
             lost = False
             try:
@@ -382,16 +404,68 @@ class Worker:
                 lost = isinstance(e, ZygoteLost)
                 resp = _error(f"worker error: {e!r}")
             _send(self.out_fd, resp)
-            # Cleanup off the caller's clock: the host hands this worker to the next caller
-            # only after this frame, and replaces it when the work dirs cannot be emptied in time.
-            ready = not lost and _empty_dir(self.base, time.monotonic() + self.cleanup_s)
+            # The host hands this worker to the next caller after the "ready" frame, which waits
+            # for no cleanup: the cleaner empties the trash meanwhile. A worker whose cleaner
+            # fell behind by more than cleanup_s asks to be recycled (it keeps serving until its
+            # replacement is up).
+            ready = not lost and self._trash_work_dirs()
             try:
                 ready = ready and self._fork_next()
             except ZygoteLost:
                 ready = False
-            _send(self.out_fd, {"ready": ready})
+            _send(self.out_fd, {"ready": ready, "recycle": self._cleanup_behind()})
             if not ready:
                 return
+
+    def _trash_work_dirs(self) -> bool:
+        """Moves the work dirs into the trash and tells the cleaner; False if it could not."""
+        try:
+            names = os.listdir(self.base)
+            if not names:
+                return True
+            self.trashed += 1
+            for name in names:
+                # A snippet may have made its work dir unwritable: moving it updates its "..".
+                os.chmod(f"{self.base}/{name}", 0o700)
+                os.rename(f"{self.base}/{name}", f"{self.trash}/{self.trashed}_{name}")
+            self.cleaner_sock.send(struct.pack("<I", self.trashed), socket.MSG_NOSIGNAL)
+        except OSError:
+            return False
+        self.uncleaned[self.trashed] = time.monotonic()
+        return True
+
+    def _cleanup_behind(self) -> bool:
+        """True if the cleaner failed, or has not emptied a batch given to it cleanup_s ago."""
+        while True:
+            try:
+                msg = self.cleaner_sock.recv(8, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+            except OSError:
+                msg = b""
+            if len(msg) != 5:  # the cleaner is gone
+                self.cleaner_failed = True
+                break
+            done, ok = struct.unpack("<I?", msg)
+            self.cleaner_failed |= not ok
+            self.uncleaned = {k: t for k, t in self.uncleaned.items() if k > done}
+        oldest = min(self.uncleaned.values(), default=time.monotonic())
+        return self.cleaner_failed or time.monotonic() - oldest > self.cleanup_s
+
+    def _close(self) -> None:
+        """On the host's EOF: stops the cleaner and empties what is left (bounded in time)."""
+        try:
+            os.kill(self.cleaner, signal.SIGKILL)
+            os.waitpid(self.cleaner, 0)
+        except (OSError, ChildProcessError):
+            pass
+        deadline = time.monotonic() + self.cleanup_s
+        for top in (self.base, self.trash):
+            if _empty_dir(top, deadline):
+                try:
+                    os.rmdir(top)
+                except OSError:
+                    pass
 
     # ----------------------------------------------------------------------------------
     def run(self, req: dict) -> dict:
@@ -453,32 +527,32 @@ class Worker:
         """Has the zygote fork the next snippet process, which waits for its job."""
         self.ctrl.send(b"fork", socket.MSG_NOSIGNAL)
         while True:
-            msg, fds, _, _ = socket.recv_fds(self.ctrl, 16, 4)
+            msg, fds, _, _ = socket.recv_fds(self.ctrl, 16, 3)
             if not msg:
                 raise ZygoteLost("zygote exited")
-            if msg[:1] == b"f" and len(fds) == 4:
+            if msg[:1] == b"f" and len(fds) == 3:
                 (pid,) = struct.unpack("<i", msg[1:5])
                 self.next = (pid, *fds)
                 return True
             for fd in fds:  # an exit report of an earlier process: already accounted for
                 os.close(fd)
 
-    def _spawn(self, job: dict) -> tuple[int, int, int, int]:
-        """Gives `job` to the waiting snippet process: (pid, stdout, stderr, exit-code fds)."""
+    def _spawn(self, job: dict) -> tuple[int, int, int]:
+        """Gives `job` to the waiting snippet process: (pid, stdout fd, stderr fd)."""
         if self.next is None:
             raise ZygoteLost("no snippet process is waiting")
-        (pid, job_w, out_r, err_r, code_r), self.next = self.next, None
+        (pid, job_w, out_r, err_r), self.next = self.next, None
         try:
             view = memoryview(json.dumps(job).encode())
             while view:
                 view = view[os.write(job_w, view) :]
         except OSError as e:
-            for fd in (out_r, err_r, code_r):
+            for fd in (out_r, err_r):
                 os.close(fd)
             raise ZygoteLost(f"the waiting snippet process is gone ({e})") from None
         finally:
             os.close(job_w)
-        return pid, out_r, err_r, code_r
+        return pid, out_r, err_r
 
     def _reported_exit(self, pid: int):
         """`pid`'s wait status if the zygote has reported it (reads what is there, never
@@ -512,11 +586,11 @@ class Worker:
 
     def _execute(self, job: dict, cap: int, kill_bytes: int) -> dict:
         t0 = time.monotonic()
-        pid, out_r, err_r, code_r = self._spawn(job)
+        pid, out_r, err_r = self._spawn(job)
         caps = {out_r: _Capture(cap), err_r: _Capture(cap)}
-        # The exit is known from the code the snippet process writes as it ends (the fast
-        # path), or else from the zygote's wait status; then what is left to read is drained.
-        waiting = [out_r, err_r, code_r, self.ctrl]
+        # The exit is known from the zygote's wait status (a snippet holds no descriptor of
+        # ours to report it faster); then what is left to read is drained.
+        waiting = [out_r, err_r, self.ctrl]
         deadline = t0 + job["total_timeout"]
         timed_out = over_output = False
         status_code = None
@@ -539,11 +613,7 @@ class Worker:
                     status_code = self._reported_exit(pid)
                     continue
                 b = os.read(fd, 1 << 16)
-                if fd == code_r:
-                    waiting.remove(code_r)
-                    if len(b) == 4:
-                        status_code = (struct.unpack("<i", b)[0] & 0xFF) << 8
-                elif b:
+                if b:
                     caps[fd].feed(b)
                 else:
                     waiting.remove(fd)
@@ -556,15 +626,17 @@ class Worker:
         if status_code is None:
             status_code = self._await_exit(pid, max(deadline - time.monotonic(), 0.0) + 0.5)
         elapsed = time.monotonic() - t0
-        # Nothing may outlive the call: kill every process of the sandbox but us and the
-        # zygote (the snippet process is killed too, and its zygote reaps it).
+        # Nothing may outlive the call: kill every process of the sandbox but us, the zygote
+        # and the cleaner (the snippet process is killed too, and its zygote reaps it).
         _kill_pg(pid)
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-        _kill_all_others(bool(self.cfg.get("own_pid_namespace")), spare=(self.zygote, pid))
-        for fd in (out_r, err_r, code_r):
+        _kill_all_others(
+            bool(self.cfg.get("own_pid_namespace")), spare=(self.zygote, self.cleaner, pid)
+        )
+        for fd in (out_r, err_r):
             os.close(fd)
         stdout, stderr = caps[out_r].text(), caps[err_r].text()
         if status_code is None:  # unkillable?! report and let the host replace us
@@ -611,21 +683,20 @@ class Worker:
                     sock.send(b"s" + struct.pack("<ii", pid, status))
 
     def _fork_snippet(self, sock) -> tuple[int, list[int]]:
-        """A snippet process that waits for its job: (pid, the worker's ends of its job, stdout,
-        stderr and exit-code pipes)."""
+        """A snippet process that waits for its job: (pid, the worker's ends of its job, stdout
+        and stderr pipes)."""
         job_r, job_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        code_r, code_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the snippet process: never returns
             try:
                 sock.close()
-                for fd in (job_w, out_r, err_r, code_r):
+                for fd in (job_w, out_r, err_r):
                     os.close(fd)
                 with os.fdopen(job_r, "rb") as fh:
                     job = json.loads(fh.read())
-                self._child(job, out_w, err_w, code_w)
+                self._child(job, out_w, err_w)
             except BaseException as e:  # noqa: BLE001 -- setup failed: never run the code
                 try:
                     os.write(err_w, f"SandboxError: snippet setup failed: {e!r}\n".encode())
@@ -633,11 +704,11 @@ class Worker:
                     pass
             finally:
                 os._exit(120)
-        for fd in (job_r, out_w, err_w, code_w):
+        for fd in (job_r, out_w, err_w):
             os.close(fd)
-        return pid, [job_w, out_r, err_r, code_r]
+        return pid, [job_w, out_r, err_r]
 
-    def _child(self, job: dict, out_w: int, err_w: int, code_w: int) -> None:
+    def _child(self, job: dict, out_w: int, err_w: int) -> None:
         os.setpgid(0, 0)
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # writing into a closed pipe ends the snippet
         # The kernel's OOM killer takes snippet processes (and their children) first.
@@ -652,12 +723,7 @@ class Worker:
         rules = (
             self.static_rules + landlock_rules(self.abi, [], [workdir], []) if self.abi >= 1 else []
         )
-        keep = sorted([fd for fd, _ in rules] + [code_w])
-        lo = 3
-        for fd in keep:  # close everything inherited from the worker but the rule fds
-            os.closerange(lo, fd)
-            lo = fd + 1
-        os.closerange(lo, 65536)
+        _close_fds_but({fd for fd, _ in rules})  # the rule fds are closed once applied
         os.chdir(workdir)
         os.environ["HOME"] = workdir
         os.environ["TMPDIR"] = workdir
@@ -695,7 +761,7 @@ class Worker:
                     "SessionReplayError: an earlier cell of this session failed when replayed\n"
                 )
                 sys.stderr.flush()
-                _exit_with(121, code_w)
+                os._exit(121)
         if job["replay"]:  # the new cell still gets only its own time limit
             signal.setitimer(signal.ITIMER_REAL, timeout)
         ok = _run_code(job["code"], "<snippet>", quiet=False, ns=ns)
@@ -707,16 +773,45 @@ class Worker:
             sys.stderr.flush()
         except Exception:  # noqa: BLE001
             pass
-        _exit_with(code, code_w)
+        os._exit(code)
 
 
-def _exit_with(code: int, code_w: int) -> None:
-    """Ends a snippet process, telling the worker its exit code first (the output is flushed)."""
+def _close_fds_but(keep: set[int]) -> None:
+    """Closes every descriptor above 2 but `keep`, at any number: nothing the zygote or the
+    worker holds may reach a snippet."""
     try:
-        os.write(code_w, struct.pack("<i", code))
-    except OSError:
-        pass
-    os._exit(code)
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc (both sandbox modes have it)
+        fds = range(3, 65536)
+    for fd in fds:
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _cleaner_loop(sock: socket.socket, trash: str) -> None:
+    """The cleaner process: empties the trash when told, reports the last batch it covered;
+    runs until the worker closes the socket."""
+    os.nice(19)  # the snippet of the next call comes first
+    nul = os.open(os.devnull, os.O_RDWR)
+    os.dup2(nul, 2)  # the host does not read this stderr
+    os.close(nul)
+    while True:
+        msg = sock.recv(8)
+        if not msg:
+            return
+        while True:  # batches trashed meanwhile are covered by this one emptying
+            try:
+                more = sock.recv(8, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+            if not more:
+                break
+            msg = more
+        (batch,) = struct.unpack("<I", msg)
+        sock.send(struct.pack("<I?", batch, _empty_dir(trash, float("inf"))))
 
 
 _LIMITS = ("memory_mb", "nproc", "nofile", "fsize_mb", "line_buffered")

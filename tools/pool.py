@@ -4,7 +4,9 @@ Each worker (see `sandbox.py`) imports numpy/sympy once and forks a fresh child 
 Concurrency is bounded by the number of workers: one snippet per worker at a time, further calls
 wait their turn (back-pressure), and with `max_pending` set, calls beyond it are refused at once
 with a `SandboxError` result. A worker that crashes, hangs past its timeout or is killed is
-discarded and replaced in the background; the call it was serving reports the error.
+discarded and replaced in the background; the call it was serving reports the error. A worker
+whose background cleanup fell behind is replaced too, but serves on until its replacement is up,
+so no caller waits for a start-up.
 
 The pool is not bound to an event loop: blocking work happens in the pool's own threads, so one
 pool serves several `asyncio.run` loops (tests) or plain threads (`run_sync`).
@@ -20,6 +22,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import http.server
+import ipaddress
 import json
 import logging
 import os
@@ -40,6 +43,7 @@ from jaxrl_tools.tools.sandbox import (
 logger = logging.getLogger(__name__)
 
 _HOST_SLACK_S = 5.0  # the worker enforces the timeout; the host only catches a hung worker
+DEFAULT_HTTP_HOST = "127.0.0.1"  # the /run_code front has no authentication
 
 
 @dataclasses.dataclass
@@ -95,6 +99,7 @@ class SandboxPool:
         self.max_pending = max_pending
         self._idle: queue.Queue[SandboxWorker] = queue.Queue()
         self._all: list[SandboxWorker] = []
+        self._recycling: set[SandboxWorker] = set()  # serving on while a replacement starts
         self._lock = threading.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending = 0
@@ -276,13 +281,24 @@ class SandboxPool:
             pass
         if res.status == "SandboxError" and not worker.alive():
             self._counts["worker_restarts"] += 1
-            self._replace_later(worker)
+            self._replace_unless_coming(worker)
         elif worker.wait_ready():
-            self._idle.put(worker)
-        else:  # it could not clean up in time (or died doing so): a fresh sandbox replaces it
+            with self._lock:
+                retired = worker.retired
+                recycle = worker.recycle and not retired and worker not in self._recycling
+                if recycle:
+                    self._recycling.add(worker)
+                    self._counts["worker_recycled"] += 1
+                if not retired:
+                    self._idle.put(worker)
+            if recycle:
+                self._replace_later(worker)
+            if retired:  # its replacement took its place while it served this call
+                self._kill_later(worker)
+        else:  # it cannot take another call (its zygote is gone, ...): replace it now
             self._counts["worker_recycled"] += 1
             worker.kill()
-            self._replace_later(worker)
+            self._replace_unless_coming(worker)
 
     def _run_on(self, worker: SandboxWorker, req: dict) -> ExecResult:
         try:
@@ -301,10 +317,22 @@ class SandboxPool:
             execution_time=float(resp.get("execution_time", 0.0)),
         )
 
-    def _replace_later(self, dead: SandboxWorker) -> None:
-        threading.Thread(target=self._replace, args=(dead,), daemon=True).start()
+    def _replace_unless_coming(self, dead: SandboxWorker) -> None:
+        with self._lock:  # a recycled worker has its replacement started, or already up
+            coming = dead.retired or dead in self._recycling
+        if not coming:
+            self._replace_later(dead)
 
-    def _replace(self, dead: SandboxWorker) -> None:
+    def _replace_later(self, old: SandboxWorker) -> None:
+        threading.Thread(target=self._replace, args=(old,), daemon=True).start()
+
+    @staticmethod
+    def _kill_later(worker: SandboxWorker) -> None:
+        threading.Thread(target=worker.kill, kwargs={"graceful": True}, daemon=True).start()
+
+    def _replace(self, old: SandboxWorker) -> None:
+        """Starts a worker in `old`'s place; `old` (dead, or recycled and still serving) is
+        retired: killed now if idle, else by the thread serving it, after its call."""
         while not self._closed:
             new = SandboxWorker(self.config)
             try:
@@ -317,9 +345,30 @@ class SandboxPool:
                 if self._closed:
                     new.kill()
                     return
-                self._all = [w for w in self._all if w is not dead] + [new]
-            self._idle.put(new)
+                self._all = [w for w in self._all if w is not old] + [new]
+                self._recycling.discard(old)
+                old.retired = True
+                idle = self._take_from_idle(old)
+                self._idle.put(new)
+            if idle:
+                self._kill_later(old)
             return
+
+    def _take_from_idle(self, worker: SandboxWorker) -> bool:
+        """Removes `worker` from the idle queue (under the lock); False if it was not there."""
+        others, found = [], False
+        while True:
+            try:
+                w = self._idle.get_nowait()
+            except queue.Empty:
+                break
+            if w is worker:
+                found = True
+            else:
+                others.append(w)
+        for w in others:
+            self._idle.put(w)
+        return found
 
     # --------------------------------------------------------------------------- metrics
     def _record(self, res: ExecResult) -> None:
@@ -434,12 +483,18 @@ def run_code_sync(request: dict, pool: SandboxPool) -> dict:
     return asyncio.run(run_code(request, pool))
 
 
-def make_http_server(pool: SandboxPool, host: str = "127.0.0.1", port: int = 8080):
+def make_http_server(pool: SandboxPool, host: str = DEFAULT_HTTP_HOST, port: int = 8080):
     """A Sandbox-Fusion-compatible HTTP front: POST /run_code with the request JSON.
 
     Lets verl's SandboxFusionTool (sandbox_fusion_url=http://host:port/run_code) use our pool.
     Call `.serve_forever()` on the result (in a thread), `.shutdown()` to stop; `port=0` picks a
-    free port (`server.server_address[1]`). Bind to localhost unless you add authentication.
+    free port (`server.server_address[1]`). It listens once made, and logs one line saying where.
+
+    Args:
+      pool: the SandboxPool that runs the code.
+      host: address to bind; 127.0.0.1 by default, since the front has no authentication (any
+        other address is logged as a warning).
+      port: TCP port (0: any free one).
     """
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -465,4 +520,14 @@ def make_http_server(pool: SandboxPool, host: str = "127.0.0.1", port: int = 808
         def log_message(self, fmt, *args):
             logger.debug("run_code http: " + fmt, *args)
 
-    return http.server.ThreadingHTTPServer((host, port), Handler)
+    server = http.server.ThreadingHTTPServer((host, port), Handler)
+    bound, bound_port = server.server_address[:2]
+    loopback = ipaddress.ip_address(bound).is_loopback
+    logger.log(
+        logging.INFO if loopback else logging.WARNING,
+        "sandbox /run_code front listening on http://%s:%d/run_code%s",
+        bound,
+        bound_port,
+        "" if loopback else " (not loopback, and without authentication)",
+    )
+    return server

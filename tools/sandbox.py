@@ -22,9 +22,11 @@ Stack (default `isolation="bwrap"`, fail-closed), outermost first:
    address space, nproc, fsize, nofile, core), OOM-killer priority, a Landlock domain (writes
    only in its fresh work dir, no TCP, signals and abstract sockets scoped to itself) and a
    seccomp filter (no sockets but socketpair, no SysV/POSIX IPC objects or memfds, no ptrace,
-   mount, namespaces, bpf, ...). After each snippet the worker SIGKILLs every other process of
-   its pid namespace, answers, then empties the work dir (bounded in time, off the caller's
-   clock) before it takes the next call; a worker that cannot is replaced.
+   mount, namespaces, bpf, CLONE_PARENT, ...); it holds no descriptor but its stdin, stdout and
+   stderr. After each snippet the worker SIGKILLs every other process of its pid namespace,
+   answers, moves the work dir into a trash dir no snippet can see and takes the next call while
+   a cleaner process empties it; a worker whose cleaner falls behind is replaced, and serves on
+   until its replacement is up.
 
 At start each worker reports every layer (uid, namespaces, capabilities, no_new_privs, cleared
 environment, Landlock, seccomp, cgroups) and runs a probe snippet that tries what a snippet must
@@ -94,8 +96,9 @@ class SandboxConfig:
       worker_pids: pids cgroup limit of one worker's sandbox (root only; 0 disables).
       worker_cpus: CPU quota of one worker with all its snippets, in cores (root only; 0
         disables).
-      cleanup_timeout_s: time a worker has, after answering and off the caller's clock, to
-        empty the call's work dir; past it (e.g. millions of files) the worker is replaced.
+      cleanup_timeout_s: time a worker's cleaner has, in the background, to empty a call's
+        work dir; past it (e.g. millions of files) the worker is replaced, off every caller's
+        clock (it serves until its replacement is up).
     """
 
     isolation: str = "bwrap"
@@ -489,6 +492,8 @@ class SandboxWorker:
         self.hello: dict = {}
         self.calls = 0
         self.cgroups: list[Path] = []
+        self.recycle = False  # its last "ready" frame asked for a replacement
+        self.retired = False  # replaced: killed once it is not serving a call
 
     @property
     def pid(self) -> int | None:
@@ -600,11 +605,17 @@ class SandboxWorker:
         return self._read(timeout_s)
 
     def wait_ready(self) -> bool:
-        """Waits for the worker to finish cleaning up after a call; False: replace it."""
+        """Waits until the worker can take the next call; False: replace it now.
+
+        A ready worker may still set `recycle`: its background cleanup fell behind, so it should
+        be replaced, but it can serve until its replacement is up.
+        """
         try:
-            return bool(self._read(self.config.cleanup_timeout_s + _READY_SLACK_S).get("ready"))
+            frame = self._read(self.config.cleanup_timeout_s + _READY_SLACK_S)
         except WorkerDiedError:
             return False
+        self.recycle = bool(frame.get("recycle"))
+        return bool(frame.get("ready"))
 
     def _read(self, timeout_s: float) -> dict:
         fd = self.proc.stdout.fileno()

@@ -595,9 +595,15 @@ class TrainerSection:
     # jax's persistent compilation cache (every compile over a second): a second run of the same
     # programs loads them instead of compiling; null = off. JAX_COMPILATION_CACHE_DIR wins.
     compile_cache_dir: str | None = "runs/xla_cache"
+    # An update whose loss, gradient norm or update norm is NaN or inf (optim.lr too high, an
+    # overflow): "stop" ends the run with one line before that step is saved (the last
+    # checkpoint stays good: lower optim.lr and --resume); "skip_step" drops that update, keeps
+    # the state before it and counts it in actor/skipped_updates (critic/skipped_updates).
+    on_nonfinite: str = "stop"
 
     def __post_init__(self):
         _check(self.steps >= 0, "trainer.steps", "must be >= 0")
+        _check_choice(self.on_nonfinite, "trainer.on_nonfinite", ("stop", "skip_step"))
         _check(
             self.mesh == "auto" or re.fullmatch(r"\d+x\d+x\d+", self.mesh) is not None,
             "trainer.mesh",

@@ -30,7 +30,7 @@ from jaxrl_tools.train import sft
 from jaxrl_tools.train.batch import collect_batch
 from jaxrl_tools.train.checkpoint import Checkpointer
 from jaxrl_tools.train.metrics import MetricsLogger
-from jaxrl_tools.train.rl import RLSetup, RLTrainer
+from jaxrl_tools.train.rl import NonFiniteUpdate, RLSetup, RLTrainer
 from jaxrl_tools.train.signals import RunInterrupted, StopOnSignal
 
 log = logging.getLogger(__name__)
@@ -178,6 +178,7 @@ def make_trainer(cfg: RunConfig, model_cfg, params, mesh=None) -> RLTrainer:
         lora_decode=cfg.model.lora.decode,
         # After SFT the base is not model.path's weights: a resumed run needs it back.
         checkpoint_base=cfg.sft.enabled,
+        on_nonfinite=cfg.trainer.on_nonfinite,
     )
     return RLTrainer(
         model_cfg,
@@ -335,13 +336,12 @@ def train(
     sharding.initialize_distributed()
     t = cfg.trainer
     run_dir = Path(t.log_dir)
-    mesh = make_mesh(cfg)
-    plan.check_fits(cfg, mesh)  # on an accelerator: refuse a run that cannot fit, before loading
-    tokenizer = setup_tokenizer(cfg)
-    model_cfg, params = setup_model(cfg, tokenizer, mesh)
-    reward = make_reward(cfg)
+    # Locked for the run's life, before anything loads: a second run on the folder is refused.
     ckpt = Checkpointer(
-        t.checkpoint_dir, every=t.checkpoint_every or t.steps or 1, keep=t.keep_checkpoints
+        t.checkpoint_dir,
+        every=t.checkpoint_every or t.steps or 1,
+        keep=t.keep_checkpoints,
+        lock=True,
     )
     latest = ckpt.latest_step()
     if latest is not None and not t.resume:
@@ -352,15 +352,17 @@ def train(
             "trainer.checkpoint_dir a new folder"
         )
     resuming = latest is not None
-    tools = setup_tools(cfg)
-    episodes = setup_episodes(cfg)
-    sampler = make_sampler(cfg, model_cfg, params, tokenizer, tools, mesh, episodes)
-    logger = MetricsLogger(
-        run_dir, total_steps=t.steps, desc=t.run_name, start_step=latest if resuming else 0
-    )
     summary: dict[str, Any] = {"run_name": t.run_name}
-    ahead = None
+    tools, episodes, logger, ahead = [], None, None, None
     try:
+        mesh = make_mesh(cfg)
+        plan.check_fits(cfg, mesh)  # on an accelerator: refuse a run that cannot fit, first
+        tokenizer = setup_tokenizer(cfg)
+        model_cfg, params = setup_model(cfg, tokenizer, mesh)
+        reward = make_reward(cfg)
+        tools = setup_tools(cfg)
+        episodes = setup_episodes(cfg)
+        sampler = make_sampler(cfg, model_cfg, params, tokenizer, tools, mesh, episodes)
         if init_params is not None:
             params = init_params
         elif cfg.sft.enabled and not resuming:
@@ -386,6 +388,8 @@ def train(
             loader.set_state(extras["data"])
             sampler.calls = extras["rollout_calls"]
             log.info("resumed from step %d of %s", start, ckpt.directory)
+        # After the restore: it may fall back to an older step (the log is cut there).
+        logger = MetricsLogger(run_dir, total_steps=t.steps, desc=t.run_name, start_step=start)
         metrics: dict = {}
         group_size, pad_id = cfg.rollout.group_size, tokenizer.pad_token_id or 0
         # ReMax's baseline: a greedy rollout per prompt, when the estimator reads one.
@@ -422,6 +426,10 @@ def train(
                     # The next batch, sampled with the weights before this update.
                     ahead.start(step + 1, sampler.engine.serving_copy(trainer.params))
                 metrics = trainer.step(batch)
+                if diverged := trainer.diverged(metrics):  # nothing of this step is saved
+                    logger.log(step, metrics)
+                    ckpt.wait()
+                    raise NonFiniteUpdate(step, diverged, ckpt.latest_step(), str(ckpt.directory))
                 metrics["time/rollout_s"] = rollout_s
                 n_tokens = batch.metrics["rollout/tokens"]
                 metrics["throughput/rollout_tokens_per_s"] = n_tokens / max(rollout_s, 1e-9)
@@ -455,7 +463,8 @@ def train(
     finally:
         if ahead is not None:
             ahead.close()
-        logger.close()
+        if logger is not None:
+            logger.close()
         ckpt.close()
         close_tools(tools)
         close_episodes(episodes)
@@ -499,10 +508,8 @@ def restore_trainer(cfg: RunConfig, step: int | None = None):
         tokenizer = setup_tokenizer(cfg)
         model_cfg, params = setup_model(cfg, tokenizer, mesh)
         trainer = make_trainer(cfg, model_cfg, params, mesh)
-        try:
-            step, state, _ = ckpt.restore(trainer.checkpoint_state(), step)
-        except ValueError as e:  # a checkpoint of another model shape or algorithm
-            raise ConfigError(f"{e}: check the config against the run's") from None
+        # A checkpoint of another model or algorithm, or none readable: a CheckpointError.
+        step, state, _ = ckpt.restore(trainer.checkpoint_state(), step)
     finally:
         ckpt.close()
     trainer.load_checkpoint_state(state)

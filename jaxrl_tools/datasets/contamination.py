@@ -72,9 +72,7 @@ def policy_sampler(cfg: RunConfig, batch_size: int = 64) -> Sample:
         for i in range(0, len(records), batch_size):
             chunk = list(records[i : i + batch_size])
             trajs = sampler(chunk, k, params, temperature=cfg.rollout.temperature, seed=i)
-            out += [
-                [t.model_text for t in trajs[j * k : (j + 1) * k]] for j in range(len(chunk))
-            ]
+            out += [[t.model_text for t in trajs[j * k : (j + 1) * k]] for j in range(len(chunk))]
         return out
 
     return sample

@@ -29,10 +29,9 @@ PLOT_KEYS = (
 
 def _scalar(value) -> float | None:
     try:
-        out = float(np.asarray(value))
+        return float(np.asarray(value))  # NaN and inf too: a diverged update shows in the log
     except (TypeError, ValueError):
         return None
-    return out if math.isfinite(out) else None
 
 
 class MetricsLogger:
@@ -83,7 +82,7 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True)
 
     def log(self, step: int, metrics: Mapping[str, object], *, prefix: str = "") -> dict:
-        """Records scalar metrics for `step`; non-scalars and non-finite values are dropped."""
+        """Records scalar metrics for `step` (non-scalars are dropped; NaN is written as NaN)."""
         record = {"step": int(step), "time": time.time()}
         for key, value in metrics.items():
             v = _scalar(value)

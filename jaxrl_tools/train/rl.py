@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -52,7 +53,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_tools import algorithms, models, sharding
-from jaxrl_tools.config import AlgorithmSection, CriticSection, OptimSection
+from jaxrl_tools.config import AlgorithmSection, ConfigError, CriticSection, OptimSection
 from jaxrl_tools.train import lora, objectives, policy
 from jaxrl_tools.train.packing import plan_packing, take_tokens
 from jaxrl_tools.train.state import (
@@ -65,6 +66,24 @@ from jaxrl_tools.types import Batch
 
 _ACTOR_KEYS = ("tokens", "positions", "attention", "loss_mask", "advantages", "correct")
 _CRITIC_KEYS = ("tokens", "positions", "attention", "loss_mask", "old_values", "returns")
+# An update is finite when these of its metrics are (the params and moments then are too).
+_WATCHED = ("loss", "grad_norm", "update_norm")
+
+
+class NonFiniteUpdate(ConfigError):
+    """A diverged update ended the run (`trainer.on_nonfinite: stop`): one line, the fix."""
+
+    def __init__(self, step: int, what: str, last_saved: int | None, directory: str):
+        last = (
+            f"the last checkpoint, step {last_saved} in {directory}, is intact: lower optim.lr "
+            "(or set optim.grad_clip) and continue with --resume"
+            if last_saved is not None
+            else "lower optim.lr (or set optim.grad_clip) and start again"
+        )
+        super().__init__(
+            f"step {step}: the update is not finite ({what}); the run stopped without saving "
+            f"it; {last}, or set trainer.on_nonfinite=skip_step to drop such updates"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +109,9 @@ class RLSetup:
         "adapters" (the engine runs the base with the adapters applied: no second copy).
       checkpoint_base: with LoRA, checkpoint the frozen base too (it is not `model.path`'s
         weights, e.g. after an SFT stage); otherwise checkpoints hold the adapters only.
+      on_nonfinite: an update with a NaN / inf loss, gradient or update norm: "stop" (the caller
+        ends the run: `RLTrainer.diverged`) or "skip_step" (the update is dropped in the jitted
+        step, the state kept, and counted in `*/skipped_updates`).
     """
 
     rows: int
@@ -105,6 +127,7 @@ class RLSetup:
     lora: models.LoraConfig | None = None
     lora_decode: str = "merged"
     checkpoint_base: bool = False
+    on_nonfinite: str = "stop"
 
 
 def _select_micro(batch: dict, idx_N: jax.Array, micro_batch_size: int, micro_sharding) -> dict:
@@ -137,6 +160,18 @@ def _micro_mapped(fn: Callable, micro_batch_size: int, micro_sharding) -> Callab
             batch_M[k] = v
         out = jax.lax.map(lambda mb: fn(params, mb), batch_M)
         return jax.tree.map(lambda x: x.reshape(rows, *x.shape[2:]), out)
+
+    return run
+
+
+def _skip_nonfinite(update: Callable) -> Callable:
+    """`update`, keeping the old state when the update is not finite (and counting it)."""
+
+    def run(state, *args):
+        new, metrics = update(state, *args)
+        ok = jnp.all(jnp.isfinite(jnp.stack([metrics[k] for k in _WATCHED])))
+        new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
+        return new, {**metrics, "skipped_updates": 1.0 - ok.astype(jnp.float32)}
 
     return run
 
@@ -359,8 +394,11 @@ class RLTrainer:
         actor_denom = functools.partial(objectives.actor_denominator, pcfg, packed=s.pack)
         rows, micro, rep = self._rows_sh, self._micro_sh, self._replicated
         mbs = self.optim.micro_batch_size
+        skip = s.on_nonfinite == "skip_step"
 
         def with_selection(update):
+            update = _skip_nonfinite(update) if skip else update
+
             # Mini-batch rows are gathered inside the jit: the batch stays where it is placed.
             def run(state, batch, idx_N, *frozen):
                 return update(state, _select_micro(batch, idx_N, mbs, micro), *frozen)
@@ -615,7 +653,21 @@ class RLTrainer:
                 for key, v in m.items():
                     sums[key] = sums.get(key, 0.0) + float(v)
                 count += 1
-        return {k: v / count for k, v in sums.items()}
+        return {k: v if k.endswith("skipped_updates") else v / count for k, v in sums.items()}
+
+    def diverged(self, metrics: dict) -> str | None:
+        """The step's update metrics (loss, gradient and update norms) that are not finite, as
+        text; None when all are, or with `on_nonfinite: skip_step` (such updates were dropped)."""
+        if self.setup.on_nonfinite != "stop":
+            return None
+        bad = [
+            f"{k}={v}"
+            for k, v in sorted(metrics.items())
+            if k.startswith(("actor/", "critic/"))
+            and k.split("/", 1)[1] in _WATCHED
+            and not math.isfinite(v)
+        ]
+        return ", ".join(bad) or None
 
     # ------------------------------------------------------------------ checkpoint support
 

@@ -38,6 +38,7 @@ _VALUE_OPTIONS = (
     "--accelerator",
     "--memory-gib",
     "--port",
+    "--host",
     "--coordinator",
     "--num-processes",
     "--process-id",
@@ -79,10 +80,15 @@ def _load(args):
         args.overrides = [*args.overrides, "trainer.resume=true"]
     source = args.config or DEMO_CONFIG
     path = Path(source)
+    if path.is_dir():
+        raise ConfigError(
+            f"--config {source} is a directory: pass a YAML file (e.g. {path / 'run.yaml'}) or "
+            f"a shipped recipe's name (e.g. {DEMO_CONFIG})"
+        )
     if not path.is_file():
         path = configs.path(source)
     cfg = load_config(path, args.overrides)
-    return smoke.smoke_config(cfg) if getattr(args, "smoke", False) else cfg
+    return smoke.smoke_config(cfg, args.overrides) if getattr(args, "smoke", False) else cfg
 
 
 def _dispatch(args, cfg) -> int | None:
@@ -130,13 +136,23 @@ def _dispatch(args, cfg) -> int | None:
         print("\n".join(report.lines()))
         return 0 if report.fits else 1
     elif args.command == "serve":
-        from jaxrl_tools.serve import start_server  # noqa: PLC0415  (the [serve] extra)
+        from jaxrl_tools import serve  # noqa: PLC0415  (the [serve] extra)
 
-        server = start_server(
-            cfg, from_checkpoint=args.checkpoint, step=args.step, port=args.port, tools=args.tools
-        )
-        print(f"jaxrl-tools serve: JetStream gRPC on port {args.port} (Ctrl-C stops)", flush=True)
-        server.wait_for_termination()
+        try:
+            server = serve.start_server(
+                cfg,
+                from_checkpoint=args.checkpoint,
+                step=args.step,
+                port=args.port,
+                tools=args.tools,
+                host=args.host,
+            )
+            where = serve.describe(args.host, args.port)
+            print(f"jaxrl-tools serve: {where} (Ctrl-C stops)", flush=True)
+            server.wait_for_termination()  # stops the server when interrupted
+        except KeyboardInterrupt:  # the way to stop it: one line, not a traceback
+            print("jaxrl-tools: serve stopped (Ctrl-C)", file=sys.stderr)
+            return 130  # 128 + SIGINT, the shell's convention
     elif args.command == "repro":
         lines, ok = repro(cfg, args.batch, with_torch=args.torch, with_trl=args.trl)
         print("\n".join(lines))
@@ -262,6 +278,12 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", action="store_true", help="serve the run's checkpoint")
     p.add_argument("--step", type=int)
     p.add_argument("--port", type=int, default=9000)
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only); 0.0.0.0 for every "
+        "interface: plain-text gRPC, no authentication",
+    )
     p.add_argument(
         "--tools",
         action="store_true",

@@ -201,6 +201,26 @@ def load_config(
         raise ConfigError(f"{where}{e}") from None
 
 
+def apply_overrides(
+    cfg: RunConfig, overrides: Sequence[str], *, except_sections: Sequence[str] = ()
+) -> RunConfig:
+    """`cfg` with dotted overrides set on it, as `load_config` sets them on a YAML file's.
+
+    Args:
+      cfg: a RunConfig.
+      overrides: as for `load_config`.
+      except_sections: top-level sections whose overrides are left out (e.g. "model").
+
+    Raises:
+      ConfigError: naming the key or field at fault.
+    """
+    raw = yaml.safe_load(config_to_yaml(cfg)) or {}
+    for key, text in _parse_overrides(overrides):
+        if re.split(r"\.|\[", key, maxsplit=1)[0] not in except_sections:
+            _set_dotted(raw, key, _parse_value(text))
+    return config_from_dict(raw)
+
+
 def config_to_yaml(cfg: RunConfig) -> str:
     """Serialise a RunConfig to YAML text (loadable by load_config)."""
     buf = io.StringIO()

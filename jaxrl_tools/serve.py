@@ -13,10 +13,17 @@ message with the whole response (tool outputs included) and its token ids. That 
 gRPC service JetStream's client speaks (``ToolServicer``), without JetStream's orchestrator,
 which has no way to pause a request for a tool. Without ``tools`` a response that calls a tool
 ends there, as text, for the client to act on.
+
+The server speaks plain-text gRPC without authentication, so it listens on 127.0.0.1 unless
+told otherwise (``--host``). A request it cannot serve as sent (no content, a token id outside
+the model's vocabulary, a prompt longer than the engine takes) is refused with
+INVALID_ARGUMENT and a message naming what is wrong, before it reaches the engine.
 """
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import logging
 import threading
 from concurrent import futures
@@ -29,6 +36,78 @@ from jaxrl_tools.rollout.kernels import next_pow2
 from jaxrl_tools.rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def describe(host: str, port: int) -> str:
+    """Where the server listens, with a warning when that is reachable from other machines."""
+    if is_loopback(host):
+        return f"JetStream gRPC on {address(host, port)}"
+    return (
+        f"JetStream gRPC on {address(host, port)}, plain text and no authentication: anyone "
+        "who can reach this address can use the model"
+    )
+
+
+def _listen(server, host: str, port: int) -> None:
+    where = address(host, port)
+    try:
+        bound = server.add_insecure_port(where)
+    except RuntimeError:  # grpc's "Failed to bind": the port is taken, or not our address
+        bound = 0
+    if not bound:
+        raise ConfigError(
+            f"serve: cannot listen on {where}: the port is in use or --host is not an address "
+            "of this machine; pick another --port or --host"
+        )
+
+
+class BadRequest(ValueError):
+    """A request the server refuses (INVALID_ARGUMENT); the message says what to send."""
+
+
+NO_CONTENT = "the request has no content: set text_content.text or token_content.token_ids"
+
+
+def check_prompt(ids, *, vocab_size: int, limit: int, max_prompt_len: int) -> list[int]:
+    """A request's prompt ids, or BadRequest naming the first id outside the vocabulary, or
+    the prompt's length when it is longer than the engine takes (JetStream would keep its last
+    `limit` tokens without a word; its response has no field to say so, the status does)."""
+    ids = list(ids)
+    if not ids:
+        raise BadRequest(NO_CONTENT)
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise BadRequest(
+                f"token id {t} (position {i}) is outside the model's vocabulary, ids "
+                f"0..{vocab_size - 1}: send ids of this model's tokenizer"
+            )
+    if len(ids) > limit:
+        raise BadRequest(too_long(len(ids), limit, max_prompt_len))
+    return ids
+
+
+def too_long(n: int, limit: int, max_prompt_len: int) -> str:
+    rounded = f", rounded up to {limit}" if limit != max_prompt_len else ""
+    return (
+        f"the prompt is {n} tokens, more than this server takes ({limit}: "
+        f"rollout.max_prompt_len={max_prompt_len}{rounded}): shorten it, or serve with a larger "
+        "rollout.max_prompt_len"
+    )
 
 
 def _driver_class(orchestrator):
@@ -63,6 +142,91 @@ def _driver_class(orchestrator):
                     log.info("generate thread %d: all slots came free mid-step (%s)", idx, e)
 
     return Driver
+
+
+def _orchestrator_class(orchestrator):
+    import grpc  # noqa: PLC0415  (the [serve] extra)
+
+    class Orchestrator(orchestrator.LLMOrchestrator):
+        """JetStream's servicer, refusing (INVALID_ARGUMENT) what the Driver would fail on or
+        decode wrongly. A text request is tokenized here (chat template included) to check its
+        length, and goes on as those ids (the Driver pads them as it would the text's)."""
+
+        def __init__(self, driver, engine, max_prompt_len: int):
+            super().__init__(driver=driver)
+            self.engine, self.max_prompt_len = engine, max_prompt_len
+
+        def _get_prefill_content(self, request):
+            which = request.WhichOneof("content")
+            if which == "text_content":
+                text = request.text_content.text
+                if not text:
+                    raise BadRequest(NO_CONTENT)
+                render = self.engine.render_prompt
+                text = render(text) if render is not None else text
+                ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+                return self._check(ids), False  # False: the response carries text
+            if which == "token_content":
+                return self._check(request.token_content.token_ids), True
+            raise BadRequest(NO_CONTENT)
+
+        def _check(self, ids):
+            return check_prompt(
+                ids,
+                vocab_size=self.engine.vocab_size,
+                limit=self.engine.max_prefill_length,
+                max_prompt_len=self.max_prompt_len,
+            )
+
+        async def Decode(self, request, context=None):  # noqa: N802  (the gRPC method's name)
+            # JetStream's Decode reads the request (our checks) before its first await: a bad
+            # request raises at the first step, before anything is queued.
+            responses = super().Decode(request, context)
+            try:
+                first = await anext(responses)
+            except BadRequest as e:
+                if context is None:  # called directly, not over gRPC
+                    raise
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except StopAsyncIteration:
+                return
+            yield first
+            async for response in responses:
+                yield response
+
+    return Orchestrator
+
+
+def _server_class(server_lib):
+    import grpc  # noqa: PLC0415  (the [serve] extra)
+    from jetstream.core.proto import jetstream_pb2_grpc  # noqa: PLC0415
+
+    class Server(server_lib.JetStreamServer):
+        """JetStream 0.2.2's server, with the servicer given and listening on `host` (its own
+        binds every interface, [::], with its plain LLMOrchestrator)."""
+
+        def __init__(self, driver, servicer, threads: int, host: str, port: int):
+            self._driver = driver
+            self._executor = futures.ThreadPoolExecutor(max_workers=threads)
+            self._loop = asyncio.new_event_loop()
+            self._loop.set_default_executor(self._executor)
+            self._loop_thread = threading.Thread(target=self._loop.run_forever)
+            self._loop_thread.start()
+
+            async def init():
+                server = grpc.aio.server(self._executor)
+                jetstream_pb2_grpc.add_OrchestratorServicer_to_server(servicer, server)
+                _listen(server, host, port)
+                return server
+
+            try:
+                self._grpc_server = asyncio.run_coroutine_threadsafe(init(), self._loop).result()
+            except BaseException:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._loop_thread.join()
+                raise
+
+    return Server
 
 
 def make_engine(cfg: RunConfig, model_cfg, params, tokenizer, mesh=None):
@@ -116,12 +280,22 @@ def tool_servicer(sampler, params, temperature: float):
             self.lock = threading.Lock()
 
         def Decode(self, request, context):  # noqa: N802  (the gRPC method's name)
-            if request.WhichOneof("content") != "text_content":
+            which = request.WhichOneof("content")
+            if which is None or (which == "text_content" and not request.text_content.text):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, NO_CONTENT)
+            if which != "text_content":
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     "serve --tools takes text requests (tool calls are found in the text)",
                 )
             record = {"prompt": request.text_content.text}
+            # The length the sampler would refuse with a DataError (an UNKNOWN status), told.
+            ids = prompts.encode_prompt(
+                sampler.tokenizer, record, sampler.tools_schema or None, sampler.system_prompt
+            )
+            limit = sampler.settings.max_prompt_len
+            if len(ids) > limit:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, too_long(len(ids), limit, limit))
             with self.lock:
                 traj = sampler([record], 1, params, temperature=temperature)[0]
             sample = jetstream_pb2.DecodeResponse.StreamContent.Sample(
@@ -140,14 +314,18 @@ class ToolServer:
     """A gRPC server of ``tool_servicer`` (``stop()``, ``wait_for_termination()``, like
     JetStream's); stopping it closes the tools."""
 
-    def __init__(self, servicer, port: int, tools: list):
+    def __init__(self, servicer, port: int, tools: list, host: str = DEFAULT_HOST):
         import grpc  # noqa: PLC0415
         from jetstream.core.proto import jetstream_pb2_grpc  # noqa: PLC0415
 
         self.tools = tools
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         jetstream_pb2_grpc.add_OrchestratorServicer_to_server(servicer, self.server)
-        self.server.add_insecure_port(f"[::]:{port}")
+        try:
+            _listen(self.server, host, port)
+        except ConfigError:
+            run.close_tools(tools)
+            raise
         self.server.start()
 
     def stop(self):
@@ -171,13 +349,17 @@ def _load_policy(cfg: RunConfig, from_checkpoint: bool, step: int | None, mesh):
 
 
 def start_server(
-    cfg: RunConfig, *, from_checkpoint: bool, step: int | None, port: int, tools: bool = False
+    cfg: RunConfig,
+    *,
+    from_checkpoint: bool,
+    step: int | None,
+    port: int,
+    tools: bool = False,
+    host: str = DEFAULT_HOST,
 ):
     """Loads the policy (the run's checkpoint, or ``model.path``) and starts the gRPC server on
-    ``port`` (``stop()``, ``wait_for_termination()``): JetStream's orchestrator, or with
+    ``host:port`` (``stop()``, ``wait_for_termination()``): JetStream's orchestrator, or with
     ``tools`` the agent loop with the recipe's tools run server-side (``tool_servicer``)."""
-    import grpc  # noqa: PLC0415  (the [serve] extra)
-
     from jaxrl_tools.rollout.jetstream import import_orchestrator  # noqa: PLC0415
 
     if tools and not cfg.tools:  # before anything loads
@@ -191,9 +373,10 @@ def start_server(
         started = run.setup_tools(cfg)
         sampler = run.make_sampler(cfg, model_cfg, params, tokenizer, started, mesh)
         servicer = tool_servicer(sampler, params, cfg.rollout.eval_temperature)
-        server = ToolServer(servicer, port, started)
+        server = ToolServer(servicer, port, started, host)
         names = ", ".join(t.name for t in started)
-        log.info("serving %s on port %d with tools run server-side: %s", what, port, names)
+        where = address(host, port)
+        log.info("serving %s on %s with tools run server-side: %s", what, where, names)
         return server
     engine = make_engine(cfg, model_cfg, params, tokenizer, mesh)
     driver = _driver_class(orchestrator)(
@@ -203,9 +386,12 @@ def start_server(
         generate_params=[params],
         interleaved_mode=True,
     )
-    server = server_lib.JetStreamServer(
-        driver, max(engine.slots, 8), port, grpc.insecure_server_credentials()
-    )
+    servicer = _orchestrator_class(orchestrator)(driver, engine, cfg.rollout.max_prompt_len)
+    try:
+        server = _server_class(server_lib)(driver, servicer, max(engine.slots, 8), host, port)
+    except BaseException:
+        driver.stop()  # its detokenize thread would keep the process alive
+        raise
     server.start()
-    log.info("serving %s on port %d (%d slots)", what, port, engine.slots)
+    log.info("serving %s on %s (%d slots)", what, address(host, port), engine.slots)
     return server

@@ -6,21 +6,27 @@ The same data, tools, rewards, protocol and algorithm; a tiny random model of th
 family (`model_type` from `model.path`'s config.json when there is one); the model's own
 tokenizer when its folder is there, else a small one built in the run folder; 2 RL steps of 2
 prompts, a short SFT stage and short evaluations; one device; every output under
-`runs/smoke/<run_name>`, never in the recipe's own folders.
+`runs/smoke/<run_name>`, never in the recipe's own folders. The command line's overrides win
+over these (`smoke_config(cfg, overrides)`): a multi-process smoke run sets `trainer.mesh`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
-from jaxrl_tools import models
+from jaxrl_tools import models, sharding
 from jaxrl_tools.config import ConfigError, RunConfig, TinyModelConfig
+from jaxrl_tools.config_loader import apply_overrides
 from jaxrl_tools.demo.task import tokenizer_texts
 from jaxrl_tools.demo.tokenizer import build_mismatch
 from jaxrl_tools.rollout.kernels import next_pow2
+
+log = logging.getLogger(__name__)
 
 SMOKE_ROOT = Path("runs/smoke")
 STEPS = 2
@@ -59,9 +65,17 @@ def _family(cfg: RunConfig) -> tuple[str, dict]:
     return ("qwen3" if "qwen3" in name else "llama" if "llama" in name else "qwen2"), {}
 
 
-def smoke_config(cfg: RunConfig) -> RunConfig:
+def smoke_config(cfg: RunConfig, overrides: Sequence[str] = ()) -> RunConfig:
     """The smoke-test version of a run config (pure: reads `model.path`'s config.json and
     tokenizer folder if they exist, writes nothing).
+
+    Args:
+      cfg: the recipe, with the command line's overrides.
+      overrides: those overrides, set again on the smoke config: a value given on the command
+        line wins over the smoke's own (`trainer.mesh`: a multi-process run needs a mesh over
+        every process's devices, `trainer.checkpoint_dir`, `trainer.steps`, `--resume`, ...),
+        except those of `model.*` and `tokenizer.*`, which choose the tiny model's family and
+        its tokenizer.
 
     Returns:
       A RunConfig with a tiny model, 2 RL steps of 2 prompts (x 2 samples, or 1 for a recipe
@@ -105,9 +119,21 @@ def smoke_config(cfg: RunConfig) -> RunConfig:
     mini = 2 if o.num_mini_batches > 1 and rows % 2 == 0 else 1
     micro = rows // mini
     sft_batch = micro * (2 if s.batch_size >= 2 * micro else 1)
-    return dataclasses.replace(
+    # float32 throughout (a CPU run; bfloat16 master weights would not pass with a float32
+    # compute): said when the recipe asked for another dtype, so a bfloat16 bug is not hidden.
+    m = cfg.model
+    changed = [
+        f"model.{k}={getattr(m, k)}"
+        for k in ("dtype", "param_dtype", "kv_cache_dtype")
+        if getattr(m, k) not in (None, "float32")
+    ]
+    if changed:
+        log.warning("--smoke runs in float32: %s replaced by float32", ", ".join(changed))
+    smoke = dataclasses.replace(
         cfg,
-        model=dataclasses.replace(cfg.model, path=None, tiny=tiny, dtype="float32"),
+        model=dataclasses.replace(
+            m, path=None, tiny=tiny, dtype="float32", param_dtype="float32", kv_cache_dtype=None
+        ),
         tokenizer=tokenizer,
         data=dataclasses.replace(
             d,
@@ -156,18 +182,28 @@ def smoke_config(cfg: RunConfig) -> RunConfig:
             eval_every=1 if t.eval_every else 0,
         ),
     )
+    if not overrides:
+        return smoke
+    return apply_overrides(smoke, overrides, except_sections=("model", "tokenizer"))
 
 
 def clear_outputs(cfg: RunConfig) -> None:
     """Removes an earlier smoke run's checkpoints and logs, so that this one starts fresh, and
     its tokenizer when it was built with other settings. Only folders under `runs/smoke` are
-    touched.
+    touched; a resumed run (`--resume`) keeps its checkpoints and logs. In a multi-process run
+    process 0 removes them and the others wait for it (a collective: every process calls it).
 
     Args:
       cfg: a config from `smoke_config`.
     """
+    if sharding.is_main_process():
+        _clear_outputs(cfg)
+    sharding.agree(None)  # none of them starts the run while process 0 still removes folders
+
+
+def _clear_outputs(cfg: RunConfig) -> None:
     root = SMOKE_ROOT.resolve()
-    folders = [cfg.trainer.checkpoint_dir, cfg.trainer.log_dir]
+    folders = [] if cfg.trainer.resume else [cfg.trainer.checkpoint_dir, cfg.trainer.log_dir]
     t = cfg.tokenizer
     extra = len(tokenizer_texts(cfg))
     if t.build and build_mismatch(

@@ -152,3 +152,57 @@ def test_runs_keep_compiled_programs_in_the_configured_cache(monkeypatch, tmp_pa
     # The environment's cache (the test suite's, a cluster's shared one) wins.
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "shared"))
     assert run.use_compile_cache(cfg) == str(tmp_path / "shared")
+
+
+def test_config_directory_is_a_one_line_error(tmp_path, capsys):
+    assert main(["check", "--config", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert f"--config {tmp_path} is a directory" in err and "YAML file" in err
+
+
+def test_smoke_says_when_it_overrides_the_dtype(caplog):
+    from jaxrl_tools import smoke
+    from jaxrl_tools.config_loader import config_from_dict
+
+    def smoked(**model):
+        caplog.clear()
+        cfg = config_from_dict({"tokenizer": {"path": "unused"}, "model": model})
+        return smoke.smoke_config(cfg)
+
+    assert smoked(dtype="bfloat16").model.dtype == "float32"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "model.dtype=bfloat16" in line and "float32" in line
+    # bfloat16 master weights would not pass with a float32 compute: all three go to float32.
+    cfg = smoked(dtype="bfloat16", param_dtype="bfloat16", kv_cache_dtype="bfloat16")
+    assert (cfg.model.param_dtype, cfg.model.kv_cache_dtype) == ("float32", None)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "model.param_dtype=bfloat16" in line and "model.kv_cache_dtype=bfloat16" in line
+    smoked(dtype="float32")
+    assert not caplog.records  # nothing overridden, nothing said
+
+
+def test_serve_host_defaults_to_loopback_and_warns_otherwise(monkeypatch, tmp_path, capsys):
+    from jaxrl_tools import serve
+
+    started = []
+
+    class Server:
+        def wait_for_termination(self):
+            pass
+
+    def start_server(cfg, **kwargs):
+        started.append(kwargs)
+        return Server()
+
+    monkeypatch.setattr(serve, "start_server", start_server)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"tokenizer": {"path": "unused"}}))
+    assert main(["serve", "--config", str(path), "--port", "9123"]) == 0
+    assert started[-1]["host"] == "127.0.0.1"
+    out = capsys.readouterr().out.strip()
+    assert "127.0.0.1:9123" in out and "authentication" not in out
+    assert main(["serve", "--config", str(path), "--host", "0.0.0.0", "--port", "9123"]) == 0
+    assert started[-1]["host"] == "0.0.0.0"
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert "0.0.0.0:9123" in line and "no authentication" in line and "plain text" in line

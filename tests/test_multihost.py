@@ -235,6 +235,47 @@ def test_the_tool_ran_and_both_runs_logged_the_same(runs):
                 assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
 
 
+def test_a_two_process_smoke_run_with_sft_checkpoints_and_resumes(tmp_path):
+    """`train --smoke` of the demo recipe (SFT, then RL) on 2 processes x 2 devices, on the mesh
+    given on the command line (`--smoke` used to replace it by 1x1x1: each process trained alone
+    on its own device, and the first checkpoint failed on host-local arrays), then a relaunch
+    with --resume that continues it. One SFT step, one RL step, then one more after resuming."""
+    cmd = [sys.executable, "-m", "jaxrl_tools.cli", "train", "--config", "grpo_tool_math"]
+    cmd += ["--smoke", "trainer.mesh=2x2x1", "sft.num_traces=8", "sft.max_traces=8"]
+    cmd += [f"trainer.checkpoint_dir={tmp_path / 'ckpt'}", f"trainer.log_dir={tmp_path / 'logs'}"]
+    env = _env(2)
+    for k in ("JAXRL_HEARTBEAT_TIMEOUT_S", "JAXRL_SHUTDOWN_TIMEOUT_S"):  # no kill here: defaults
+        env.pop(k)
+
+    def launch(*flags: str) -> list[tuple[int, str]]:
+        port = _free_port()
+        dist = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+        return _wait(
+            [
+                subprocess.Popen(
+                    [*cmd, *flags, *dist, "--process-id", str(i)],
+                    cwd=tmp_path,  # runs/smoke/grpo_tool_math/tokenizer goes there
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                )
+                for i in range(2)
+            ]
+        )
+
+    first = launch("trainer.steps=1")
+    for i, (rc, err) in enumerate(first):
+        assert rc == 0, f"process {i}: {_notable(err)}"
+        assert "SFT on 8 traces" in err
+    assert _finished_steps(tmp_path / "ckpt") == [1]
+    for i, (rc, err) in enumerate(launch("trainer.steps=2", "--resume")):
+        assert rc == 0, f"process {i}: {_notable(err)}"
+        assert "resumed from step 1" in err and "SFT on" not in err
+    assert _finished_steps(tmp_path / "ckpt") == [2]  # smoke keeps 1
+    assert [r["step"] for r in _records(tmp_path / "logs")] == [1, 2]
+    assert not (tmp_path / "runs" / "smoke" / "grpo_tool_math" / "checkpoints").exists()
+
+
 def test_partial_launch_settings_are_one_line_errors(monkeypatch, capsys):
     from jaxrl_tools import cli
     from jaxrl_tools.sharding import distributed

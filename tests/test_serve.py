@@ -7,7 +7,11 @@ tokens of the same engine run directly on the same prompt (rendered through the 
 for a text request). Several requests in a row also exercise slots freed and refilled.
 """
 
+import signal
 import socket
+import subprocess
+import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +28,8 @@ N = 12  # tokens per request
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    from jaxrl_tools.serve import make_engine, start_server
-
+def run_yaml(tmp_path_factory):
+    """A tiny run's config (random policy, the demo tokenizer, 64-token prompts)."""
     d = tmp_path_factory.mktemp("serve")
     build_tokenizer(d / "tok", vocab_size=300)
     path = d / "run.yaml"
@@ -41,10 +44,21 @@ def served(tmp_path_factory):
             }
         )
     )
-    cfg = load_config(path, [])
+    return path
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(run_yaml):
+    from jaxrl_tools.serve import make_engine, start_server
+
+    cfg = load_config(run_yaml, [])
+    port = free_port()
     server = start_server(cfg, from_checkpoint=False, step=None, port=port)
     # The reference: the same policy (same seed) in an engine of its own, stepped directly.
     tokenizer = run.setup_tokenizer(cfg)
@@ -66,18 +80,30 @@ def greedy(engine, params, ids: list[int]) -> list[int]:
 
 
 def decode(port: int, **content) -> list:
+    """The samples JetStream's client gets for a text or token-id request (neither: none)."""
     import grpc
     from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 
-    with grpc.insecure_channel(f"localhost:{port}") as channel:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+        what = {}
         if "text" in content:
             what = {"text_content": jetstream_pb2.DecodeRequest.TextContent(text=content["text"])}
-        else:
+        elif "token_ids" in content:
             ids = content["token_ids"]
             what = {"token_content": jetstream_pb2.DecodeRequest.TokenContent(token_ids=ids)}
         request = jetstream_pb2.DecodeRequest(max_tokens=N, **what)
         return [s for r in stub.Decode(request, timeout=120) for s in r.stream_content.samples]
+
+
+def refused(port: int, **content) -> str:
+    """The details of the INVALID_ARGUMENT a request gets (fails if it gets anything else)."""
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as info:
+        decode(port, **content)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+    return info.value.details()
 
 
 def stop_at_eos(tokens: list[int], engine) -> list[int]:
@@ -150,9 +176,7 @@ def test_tools_run_server_side_in_the_sandbox(tmp_path):
     )
     sampler = Sampler(engine, tok, ToolExecutor(tools, max_concurrency=2), cfg.rollout)
     params = models.init_params(model_cfg, jax.random.key(0))
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = ToolServer(tool_servicer(sampler, params, 0.0), port, tools)
     try:
         (sample,) = decode(port, text=RECORDS[0]["prompt"])
@@ -163,5 +187,72 @@ def test_tools_run_server_side_in_the_sandbox(tmp_path):
         assert tok.decode(list(sample.token_ids)) == sample.text
         with pytest.raises(grpc.RpcError, match="text requests"):
             decode(port, token_ids=[1, 2, 3])
+        assert "no content" in refused(port)
+        details = refused(port, text="6*7 " * 100)  # refused, not cut
+        assert "tokens" in details and "rollout.max_prompt_len" in details
     finally:
         server.stop()
+
+
+def test_listens_on_loopback_only_by_default(served):
+    # An unauthenticated plain-text server: another address of this machine (127.0.0.2 is
+    # one, on Linux) must not reach it unless --host says so.
+    port = served[0]
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.2", port), timeout=5):
+        pass
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(served):
+    port, engine, _, _ = served
+    vocab = engine.vocab_size
+    for bad in (vocab, -1):  # named, not decoded from a clipped embedding row
+        details = refused(port, token_ids=[1, 2, bad, 3])
+        assert f"token id {bad} " in details and f"0..{vocab - 1}" in details
+
+
+def test_a_request_without_content_is_invalid_argument(served):
+    port = served[0]
+    assert "no content" in refused(port)
+    assert "no content" in refused(port, token_ids=[])
+
+
+def test_an_over_long_prompt_is_refused_not_cut(served):
+    port, _, _, tokenizer = served
+    # Refused with both lengths, not cut to its last 64 tokens.
+    details = refused(port, token_ids=[5] * 65)
+    assert "65 tokens" in details and "64" in details
+    details = refused(port, text="what is 2 + 3? " * 20)
+    assert "tokens" in details and "64" in details
+    # The server still answers.
+    ids = prompts.encode_prompt(tokenizer, {"prompt": "name a prime"}, None, "Answer briefly.")
+    assert [t for s in decode(port, token_ids=ids) for t in s.token_ids]
+
+
+def test_ctrl_c_stops_serve_with_one_line(run_yaml, tmp_path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxrl_tools.cli", "serve", "--config", str(run_yaml)]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    ready, out = threading.Event(), []
+
+    def read():
+        for line in proc.stdout:
+            out.append(line)
+            ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(180), "serve did not start"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines()[-1] == "jaxrl-tools: serve stopped (Ctrl-C)"
+    assert proc.returncode == 128 + signal.SIGINT

@@ -10,6 +10,7 @@ does not fit.
 import argparse
 import dataclasses
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -151,8 +152,10 @@ def _dispatch(args, cfg) -> int | None:
             print(f"jaxrl-tools serve: {where} (Ctrl-C stops)", flush=True)
             server.wait_for_termination()  # stops the server when interrupted
         except KeyboardInterrupt:  # the way to stop it: one line, not a traceback
-            print("jaxrl-tools: serve stopped (Ctrl-C)", file=sys.stderr)
-            return 130  # 128 + SIGINT, the shell's convention
+            print("jaxrl-tools: serve stopped (Ctrl-C)", file=sys.stderr, flush=True)
+            # JetStream's driver threads are not daemons: one still starting up when Ctrl-C
+            # came would hold the process open. Nothing is left to save.
+            os._exit(130)  # 128 + SIGINT, the shell's convention
     elif args.command == "repro":
         lines, ok = repro(cfg, args.batch, with_torch=args.torch, with_trl=args.trl)
         print("\n".join(lines))

@@ -336,6 +336,8 @@ def train(
     sharding.initialize_distributed()
     t = cfg.trainer
     run_dir = Path(t.log_dir)
+    mesh = make_mesh(cfg)
+    plan.check_fits(cfg, mesh)  # on an accelerator: refuse a run that cannot fit, first
     # Locked for the run's life, before anything loads: a second run on the folder is refused.
     ckpt = Checkpointer(
         t.checkpoint_dir,
@@ -355,8 +357,6 @@ def train(
     summary: dict[str, Any] = {"run_name": t.run_name}
     tools, episodes, logger, ahead = [], None, None, None
     try:
-        mesh = make_mesh(cfg)
-        plan.check_fits(cfg, mesh)  # on an accelerator: refuse a run that cannot fit, first
         tokenizer = setup_tokenizer(cfg)
         model_cfg, params = setup_model(cfg, tokenizer, mesh)
         reward = make_reward(cfg)

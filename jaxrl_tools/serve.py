@@ -389,9 +389,9 @@ def start_server(
     servicer = _orchestrator_class(orchestrator)(driver, engine, cfg.rollout.max_prompt_len)
     try:
         server = _server_class(server_lib)(driver, servicer, max(engine.slots, 8), host, port)
-    except BaseException:
+        server.start()
+    except BaseException:  # a port in use, or Ctrl-C during start-up
         driver.stop()  # its detokenize thread would keep the process alive
         raise
-    server.start()
     log.info("serving %s on %s (%d slots)", what, address(host, port), engine.slots)
     return server

@@ -309,6 +309,37 @@ def public(metrics: dict) -> dict:
 # ---------------------------------------------------------------------------------- stages
 
 
+def _open_checkpoints(t) -> Checkpointer:
+    """The run's checkpoint folder, locked for the run's life before anything loads (a second
+    run on it is refused); one holding checkpoints is refused unless `trainer.resume` is set."""
+    ckpt = Checkpointer(
+        t.checkpoint_dir,
+        every=t.checkpoint_every or t.steps or 1,
+        keep=t.keep_checkpoints,
+        lock=True,
+    )
+    latest = ckpt.latest_step()
+    if latest is not None and not t.resume:
+        ckpt.close()
+        raise ConfigError(
+            f"trainer.checkpoint_dir {ckpt.directory} already holds checkpoints of a run (latest "
+            f"step {latest}): continue it with --resume (trainer.resume=true), or give "
+            "trainer.checkpoint_dir a new folder"
+        )
+    return ckpt
+
+
+def _resume(ckpt: Checkpointer, trainer: RLTrainer, loader, sampler) -> int:
+    """Restores the newest readable checkpoint into the trainer, data loader and sampler;
+    returns its step."""
+    start, state, extras = ckpt.restore(trainer.checkpoint_state())
+    trainer.load_checkpoint_state(state)
+    loader.set_state(extras["data"])
+    sampler.calls = extras["rollout_calls"]
+    log.info("resumed from step %d of %s", start, ckpt.directory)
+    return start
+
+
 def train(
     cfg: RunConfig,
     *,
@@ -338,22 +369,8 @@ def train(
     run_dir = Path(t.log_dir)
     mesh = make_mesh(cfg)
     plan.check_fits(cfg, mesh)  # on an accelerator: refuse a run that cannot fit, first
-    # Locked for the run's life, before anything loads: a second run on the folder is refused.
-    ckpt = Checkpointer(
-        t.checkpoint_dir,
-        every=t.checkpoint_every or t.steps or 1,
-        keep=t.keep_checkpoints,
-        lock=True,
-    )
-    latest = ckpt.latest_step()
-    if latest is not None and not t.resume:
-        ckpt.close()
-        raise ConfigError(
-            f"trainer.checkpoint_dir {ckpt.directory} already holds checkpoints of a run (latest "
-            f"step {latest}): continue it with --resume (trainer.resume=true), or give "
-            "trainer.checkpoint_dir a new folder"
-        )
-    resuming = latest is not None
+    ckpt = _open_checkpoints(t)
+    resuming = ckpt.latest_step() is not None
     summary: dict[str, Any] = {"run_name": t.run_name}
     tools, episodes, logger, ahead = [], None, None, None
     try:
@@ -381,13 +398,7 @@ def train(
             summary["init_params"] = jax.tree.map(jnp.copy, params)
         trainer = make_trainer(cfg, model_cfg, params, mesh)
         loader = train_loader(cfg)
-        start = 0
-        if resuming:
-            start, state, extras = ckpt.restore(trainer.checkpoint_state())
-            trainer.load_checkpoint_state(state)
-            loader.set_state(extras["data"])
-            sampler.calls = extras["rollout_calls"]
-            log.info("resumed from step %d of %s", start, ckpt.directory)
+        start = _resume(ckpt, trainer, loader, sampler) if resuming else 0
         # After the restore: it may fall back to an older step (the log is cut there).
         logger = MetricsLogger(run_dir, total_steps=t.steps, desc=t.run_name, start_step=start)
         metrics: dict = {}

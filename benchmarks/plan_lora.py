@@ -1,7 +1,7 @@
 """The largest Qwen2.5 that fits one 80 GB GPU: LoRA against full fine-tuning, by `plan`.
 
-For each Qwen2.5 size (shapes only: no weights), `plan.plan_memory` compiles the GRPO update,
-the log-prob pass and a decode step for one device, and `plan.phase_totals` adds what stays
+For each Qwen2.5 size (shapes only: no weights), `plan.plan_memory` compiles the GRPO RL step
+(forwards and update) and a decode step for one device, and `plan.phase_totals` adds what stays
 allocated meanwhile (train state, LoRA's frozen base, the engine's serving copy). Full
 fine-tuning: float32 master weights and AdamW moments, bfloat16 compute and KV cache. LoRA
 (rank 16 on every projection): float32 adapters and moments over a bfloat16 base, decoded with
@@ -56,9 +56,7 @@ def main():
     hbm = int(args.hbm_gb * 1e9)
     mesh = sharding.make_mesh((1, 1, 1))
     dtypes = models.DTypePolicy(param="float32", compute="bfloat16")
-    shapes = dict(
-        micro_batch_size=1, num_micro=1, seq_len=4096, slots=32, cache_len=4096, remat="layer"
-    )
+    shapes = dict(rows=1, seq_len=4096, slots=32, cache_len=4096)
     lora = models.LoraConfig(rank=args.rank, alpha=32.0)
     # mode -> (LoRA config, decode mode): merged keeps a bf16 merged copy for the engine,
     # adapters decodes the base with the adapters applied (no copy).
@@ -67,20 +65,19 @@ def main():
         f"LoRA r{args.rank}, merged decode": (lora, "merged"),
         f"LoRA r{args.rank}, adapters decode": (lora, "adapters"),
     }
-    print(f"one device of {args.hbm_gb:g} GB; phase totals in GB (update / log-probs / decode)")
-    print("| model | mode | update | log-probs | decode | fits |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"one device of {args.hbm_gb:g} GB; phase totals in GB (RL step / decode)")
+    print("| model | mode | RL step | decode | fits |")
+    print("| --- | --- | --- | --- | --- |")
     for mode, (lora, decode) in modes.items():
         for name in args.sizes.split(","):
             cfg = config(name)
             t0 = time.perf_counter()
-            figures = plan.plan_memory(cfg, mesh=mesh, dtypes=dtypes, lora=lora, **shapes)
-            resident = plan.resident_bytes(
-                cfg, mesh=mesh, dtypes=dtypes, lora=lora, lora_decode=decode
-            )
+            settings = plan.grpo_settings(cfg, dtypes=dtypes, lora=lora, remat="layer")
+            figures = plan.plan_memory(settings, mesh=mesh, **shapes)
+            resident = plan.resident_bytes(settings, mesh=mesh, lora_decode=decode)
             totals = plan.phase_totals(figures, resident)
             fits = max(totals.values()) <= hbm
-            row = " | ".join(f"{totals[k] / 1e9:.1f}" for k in ("update", "logprobs", "decode"))
+            row = " | ".join(f"{totals[k] / 1e9:.1f}" for k in ("update", "decode"))
             print(
                 f"| Qwen2.5-{name} | {mode} | {row} | {'yes' if fits else 'no'} | "
                 f"<!-- {time.perf_counter() - t0:.0f} s -->",

@@ -2,9 +2,10 @@
 
 Qwen2.5-7B- and Llama-3.1-8B-shaped configs (no weights: abstract shapes), fp32 master weights
 and AdamW state, bf16 compute and KV cache, on meshes 1x8x1 (fsdp 8) and 1x4x2 (fsdp 4 x tensor
-2). `jaxrl_tools.plan.plan_memory` lowers and compiles the micro-batched update, the log-prob
-forward and a decode step; XLA's `memory_analysis()` gives each one's per-device arguments,
-temporaries and peak. These are the CPU compiler's figures (an estimate of a GPU/TPU's).
+2). `jaxrl_tools.plan.plan_memory` lowers and compiles the trainer's RL step (forwards,
+advantages, the micro-batched update) and a decode step; XLA's `memory_analysis()` gives each
+one's per-device arguments, temporaries and peak. These are the CPU compiler's figures (an
+estimate of a GPU/TPU's).
 
 With `--rollout-mesh DxFxT` the decode step is compiled on that mesh instead (`rollout.mesh`:
 the engine's own mesh over the same devices, e.g. tensor-parallel decode beside an fsdp update).
@@ -55,16 +56,16 @@ def main():
             if args.rollout_mesh:
                 decode_mesh = sharding.make_mesh(sharding.parse_mesh_shape(args.rollout_mesh))
             t0 = time.perf_counter()
+            settings = plan.grpo_settings(
+                cfg, dtypes=dtypes, micro_batch_size=args.micro, remat=args.remat
+            )
             figures = plan.plan_memory(
-                cfg,
+                settings,
                 mesh=mesh,
-                dtypes=dtypes,
-                micro_batch_size=args.micro,
-                num_micro=args.num_micro,
+                rows=args.micro * args.num_micro,
                 seq_len=args.seq,
                 slots=args.slots,
                 cache_len=args.cache_len,
-                remat=args.remat,
                 decode_mesh=decode_mesh,
             )
             took = time.perf_counter() - t0

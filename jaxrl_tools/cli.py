@@ -17,11 +17,12 @@ from pathlib import Path
 
 import jax
 
-from jaxrl_tools import check, configs, host, plan, run, sharding, smoke
+from jaxrl_tools import check, configs, host, plan, run, setup, sharding, smoke
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import load_config
 from jaxrl_tools.data import DataError
 from jaxrl_tools.datasets import prepare
+from jaxrl_tools.demo import runner
 from jaxrl_tools.interop.repro import repro
 from jaxrl_tools.tools import SandboxUnavailableError
 from jaxrl_tools.train.signals import RunInterrupted
@@ -94,19 +95,19 @@ def _load(args):
 
 def _dispatch(args, cfg) -> int | None:
     if args.command in ("demo", "train", "sft", "eval", "serve"):
-        run.use_compile_cache(cfg)
+        setup.use_compile_cache(cfg)
         if jax.default_backend() == "cpu":
             host.keep_freed_memory()
     if getattr(args, "smoke", False):  # runs/smoke/<run_name> is scratch: start it afresh
         smoke.clear_outputs(cfg)
     if args.command == "check":
         summary = check.preflight(cfg)
-        plan.check_fits(cfg, run.make_mesh(cfg))
+        plan.check_fits(cfg, setup.make_mesh(cfg))
         what = f"{args.config or DEMO_CONFIG}" + (" (--smoke)" if args.smoke else "")
         print(f"jaxrl-tools check: {what} is ready to run (nothing was trained)")
         print(check.format_summary(summary))
     elif args.command == "demo":
-        run.demo(
+        runner.demo(
             cfg,
             baseline_reward=args.baseline_reward,
             baseline_estimator=args.baseline_estimator,
@@ -181,7 +182,7 @@ def _plan(cfg, args) -> "plan.RunPlan":
             f"has {len(jax.devices())}: run it with "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={need} (simulated CPU devices)"
         )
-    mesh = run.make_mesh(
+    mesh = setup.make_mesh(
         dataclasses.replace(
             cfg,
             trainer=dataclasses.replace(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxrl_tools import algorithms, envs, models, rewards, tools
+from jaxrl_tools.rollout.sampler import ENGINES as ROLLOUT_ENGINES
 from jaxrl_tools.train.lora import DECODE_MODES as LORA_DECODE_MODES
 from jaxrl_tools.train.state import SCHEDULES
 
@@ -247,6 +248,9 @@ class RolloutSection:
     # rows kept in host memory (up to their live length) meanwhile. null = slots; 0 = off.
     max_parked: int | None = None
     max_obs_tokens: int = 512  # observation cap (head + ... + tail)
+    # The engine that decodes (rollout.sampler.ENGINES): "core" (EngineCore) or "jetstream" (the
+    # same engine as a JetStream Engine, rollout.jetstream.DecodeEngine; the [serve] extra).
+    engine: str = "core"
     # The engine's own mesh (DxFxT over the trainer's devices, e.g. tensor-parallel decode beside
     # an fsdp update): the weights are resharded onto it after each update. null = trainer.mesh.
     mesh: str | None = None
@@ -257,6 +261,7 @@ class RolloutSection:
 
     def __post_init__(self):
         _check_choice(self.protocol, "rollout.protocol", PROTOCOLS)
+        _check_choice(self.engine, "rollout.engine", tuple(ROLLOUT_ENGINES))
         _check(self.group_size >= 1, "rollout.group_size", f"must be >= 1, got {self.group_size}")
         _check(self.temperature >= 0, "rollout.temperature", "must be >= 0")
         _check(self.eval_temperature >= 0, "rollout.eval_temperature", "must be >= 0")

@@ -1,22 +1,23 @@
 """Per-device memory of a run's jitted functions, from compilation on abstract shapes.
 
-`plan_memory` builds the train step (micro-batched actor update with AdamW), the log-prob
-forward (one micro-batch) and one decode step (all slots, reading whole cache rows: full
-occupancy) for a model config on a mesh, lowers them on `jax.ShapeDtypeStruct`s (no weights
-exist, nothing is allocated) and compiles them: XLA's `memory_analysis()` of each executable
-is the memory one device needs for its arguments, outputs and temporaries. On a CPU host the
-mesh can be simulated
+`plan_memory` lowers the very RL step the trainer runs (`train.step.make_rl_step` of the same
+settings: forwards, advantages, every mini-batch update) and one step of the engine's decode
+kernel on the engine's own decode state (all slots, reading whole cache rows: full occupancy),
+on `jax.ShapeDtypeStruct`s (no weights exist, nothing is allocated), and compiles them: XLA's
+`memory_analysis()` of each executable is the memory one device needs for its arguments, outputs
+and temporaries. On a CPU host the mesh can be simulated
 (`XLA_FLAGS=--xla_force_host_platform_device_count=8`): the figures are those of the CPU
 compiler's buffer assignment, an estimate of a GPU/TPU's (which fuses differently).
 
 `plan_run` does this for a run config (`jaxrl-tools plan`); `check` and `train` refuse a run
-whose plan does not fit an accelerator's memory (`fit_error`).
+whose plan does not fit an accelerator's memory (`fit_error`). The run's step comes from
+`step_config.run_step(cfg)`, the mapping `run.make_trainer` uses too: the step planned is the step
+trained.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -24,19 +25,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_tools import models, sharding
-from jaxrl_tools.config import AlgorithmSection, ConfigError
-from jaxrl_tools.models.lora import lora_shapes
-from jaxrl_tools.rollout.kernels import DecodeState, generate_kernel
-from jaxrl_tools.train import objectives
-from jaxrl_tools.train.lora import make_lora_update
-from jaxrl_tools.train.state import (
-    create_train_state,
-    make_optimizer,
-    make_update,
-    train_state_shardings,
-)
+from jaxrl_tools.config import AlgorithmSection, ConfigError, CriticSection, OptimSection
+from jaxrl_tools.rollout.engine import EngineCore
+from jaxrl_tools.rollout.kernels import generate_kernel
+from jaxrl_tools.step_config import run_shapes, run_step
+from jaxrl_tools.train.step import StepSettings, make_rl_step
 
-FUNCTIONS = ("update", "logprobs", "decode")  # what `plan_memory` compiles
+FUNCTIONS = ("update", "decode")  # what `plan_memory` compiles: the RL step, a decode step
 
 # Device memory of the accelerators `plan` knows, in bytes.
 ACCELERATORS = {
@@ -72,181 +67,127 @@ class Memory:
         )
 
 
-def _struct(shape, dtype, sh=None):
-    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sh)
+def grpo_settings(
+    model_cfg: models.ModelConfig,
+    *,
+    dtypes: models.DTypePolicy | None = None,
+    micro_batch_size: int = 1,
+    remat: bool | str = False,
+    attention: str = "auto",
+    lora: models.LoraConfig | None = None,
+    algorithm: AlgorithmSection | None = None,
+) -> StepSettings:
+    """The settings of a plain step (GRPO without KL unless `algorithm` says otherwise, one
+    update per batch): what plans of a model alone measure (benchmarks, tests)."""
+    return StepSettings(
+        model=model_cfg,
+        algorithm=algorithm or AlgorithmSection(kl_coef=0.0),
+        optim=OptimSection(micro_batch_size=micro_batch_size),
+        critic=CriticSection(),
+        group_size=1,
+        remat=remat,
+        dtypes=dtypes or models.DTypePolicy(),
+        attention=attention,
+        lora=lora,
+    )
+
+
+def lower_decode(
+    model_cfg: models.ModelConfig,
+    dtypes: models.DTypePolicy,
+    *,
+    slots: int,
+    cache_len: int,
+    mesh=None,
+    rules=None,
+):
+    """One step of the engine's decode kernel (all slots sampling), lowered on the decode state
+    the engine itself builds (`EngineCore.init_decode_state`) and its serving copy of the weights
+    (compute dtype, sharded on the engine's mesh)."""
+    engine = EngineCore(
+        model_cfg,
+        slots=slots,
+        max_len=cache_len,
+        max_prefill_length=16,
+        mesh=mesh,
+        rules=rules,
+        dtype=dtypes.compute_dtype,
+        cache_dtype=dtypes.cache_dtype,
+        live_attention=False,  # whole cache rows: full occupancy
+        unstack_layers=False,
+    )
+    state = jax.eval_shape(engine.init_decode_state)
+    params = models.param_shapes(model_cfg, dtypes.compute_dtype)
+    params_sh = state_sh = None
+    if mesh is not None:
+        params_sh = sharding.tree_shardings(
+            models.logical_axes(model_cfg), mesh, rules, shapes=params
+        )
+        replicated = NamedSharding(mesh, PartitionSpec())
+        state_sh = jax.tree.map(lambda x: x.sharding or replicated, state)
+
+    def decode(params, st):
+        # The kernel's body with the engine's own statics, traced afresh: the jitted kernel's
+        # trace cache would keep the activation constraints of the first mesh it saw.
+        return generate_kernel.__wrapped__(
+            params,
+            st,
+            engine.hook_data,
+            num_steps=1,
+            mode="sample",
+            config=engine.config,
+            max_len=engine.max_len,
+            hook=engine.logits_hook,
+        )
+
+    jitted = jax.jit(decode, in_shardings=(params_sh, state_sh), donate_argnums=1)
+    if mesh is None:
+        return jitted.lower(params, state)
+    with sharding.use_mesh(mesh, rules):
+        return jitted.lower(params, state)
 
 
 def plan_memory(
-    model_cfg: models.ModelConfig,
+    settings: StepSettings,
     *,
     mesh,
-    dtypes: models.DTypePolicy,
-    micro_batch_size: int,
-    num_micro: int,
+    rows: int,
     seq_len: int,
     slots: int,
     cache_len: int,
-    remat: bool | str = False,
-    attention: str = "auto",
-    algorithm: AlgorithmSection | None = None,
     rules=None,
-    lora: models.LoraConfig | None = None,
     functions: tuple[str, ...] = FUNCTIONS,
     decode_mesh=None,
 ) -> dict[str, Memory]:
-    """Compiles the update, the log-prob forward and a decode step on abstract shapes.
+    """Compiles the RL step and a decode step on abstract shapes.
 
     Args:
-      model_cfg: the architecture.
+      settings: the step's settings (`step_config.run_step(cfg).settings` for a run,
+        `grpo_settings` for a model alone).
       mesh: the device mesh (data, fsdp, tensor), real or simulated.
-      dtypes: master / compute / cache dtypes.
-      micro_batch_size, num_micro: rows per micro-batch and micro-batches per optimizer step.
-      seq_len: tokens per packed sequence (prompt + response).
+      rows: sequences per RL step (a multiple of mini-batches x micro-batches).
+      seq_len: tokens per sequence (prompt + response).
       slots, cache_len: the decode engine's KV cache.
-      remat, attention: as in the model (`models.hidden_states`).
-      algorithm: the loss's settings (default: GRPO without KL).
       rules: logical -> mesh axes table.
-      lora: train LoRA adapters (the state holds them; the base is a frozen argument of the
-        update, in the compute dtype, and decoding reads a merged copy of the same shapes).
-      functions: which of the three to compile.
+      functions: which of `FUNCTIONS` to compile.
       decode_mesh: the engine's own mesh over the same devices (`rollout.mesh`; default
         `mesh`): the decode step and its serving copy of the weights are sharded on it.
 
     Returns:
-      {"update": Memory, "logprobs": Memory, "decode": Memory} (those of `functions`), per
-      device.
+      {"update": Memory, "decode": Memory} (those of `functions`), per device.
     """
-    param_shapes = models.param_shapes(model_cfg, dtypes.param_dtype)
-    param_sh = sharding.tree_shardings(
-        models.logical_axes(model_cfg), mesh, rules, shapes=param_shapes
-    )
-    optimizer = make_optimizer(1e-6, total_steps=1)
-    trained, trained_sh, frozen, policy, policy_sh = _trained(
-        model_cfg, param_shapes, param_sh, mesh, dtypes, rules, lora
-    )
-    state_shapes = jax.eval_shape(lambda p: create_train_state(p, optimizer, 0), trained)
-    state_sh = train_state_shardings(state_shapes, trained_sh, mesh)
-    batch_axes = sharding.logical_to_spec(("batch",), rules)[0]
-    micro_sh = NamedSharding(mesh, PartitionSpec(None, batch_axes))
-    rows_sh = NamedSharding(mesh, PartitionSpec(batch_axes))
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    algorithm = algorithm or AlgorithmSection(kl_coef=0.0)
-    pcfg = objectives.policy_loss_config(algorithm, seq_len)
-    loss = functools.partial(objectives.actor_loss, model_cfg, pcfg, 1.0, remat, 0.0)
-
-    def loss_in_compute(params, mb, denom):
-        return loss(dtypes.cast_for_compute(params), mb, denom, attention=attention)
-
-    denoms = functools.partial(objectives.actor_denominator, pcfg)
-    if lora is None:
-        update = make_update(loss_in_compute, optimizer, denoms_fn=denoms)
-    else:
-        update = make_lora_update(loss_in_compute, optimizer, lora, denoms_fn=denoms)
-    M, b, T = num_micro, micro_batch_size, seq_len
-    batch = {
-        "tokens": _struct((M, b, T), jnp.int32),
-        "positions": _struct((M, b, T), jnp.int32),
-        "attention": _struct((M, b, T), jnp.int32),
-        "loss_mask": _struct((M, b, T), jnp.float32),
-        "advantages": _struct((M, b, T), jnp.float32),
-        "correct": _struct((M, b), jnp.float32),
-        "old_logp": _struct((M, b, T), jnp.float32),
-    }
-    if pcfg.kl_coef:
-        batch["ref_logp"] = _struct((M, b, T), jnp.float32)
-    batch_sh = jax.tree.map(lambda _: micro_sh, batch)
-
-    def logprobs(params, seqs):
-        return objectives.sequence_logprobs(
-            model_cfg, 1.0, False, dtypes.cast_for_compute(params), seqs, attention=attention
-        )
-
-    seqs = {k: _struct((b, T), batch[k].dtype) for k in ("tokens", "positions", "attention")}
-    seqs["loss_mask"] = _struct((b, T), jnp.float32)
-
-    cache_axes = models.cache_axes()
-    cache = jax.eval_shape(
-        lambda: models.init_cache(model_cfg, slots, cache_len, dtype=dtypes.cache_dtype)
-    )
-    dmesh = mesh if decode_mesh is None else decode_mesh
-    cache_sh = sharding.tree_shardings(cache_axes, dmesh, rules, shapes=cache)
-    B, V = slots, model_cfg.vocab_size
-    state = DecodeState(
-        cache=cache,
-        lengths=_struct((B,), jnp.int32),
-        logits=_struct((B, V), jnp.float32),
-        keys=_struct((B, 2), jnp.uint32),
-        temperature=_struct((B,), jnp.float32),
-        top_k=_struct((B,), jnp.int32),
-        top_p=_struct((B,), jnp.float32),
-        sampled=_struct((B,), jnp.int32),
-        seq=_struct((B,), jnp.int32),
-        active=_struct((B,), bool),
-    )
-    dec_replicated = NamedSharding(dmesh, PartitionSpec())
-    state_dec_sh = DecodeState(
-        cache=cache_sh,
-        **{f: dec_replicated for f in DecodeState.__dataclass_fields__ if f != "cache"},
-    )
-    compute_sh = param_sh  # the serving copy keeps the master weights' sharding ...
-    if dmesh is not mesh:  # ... unless it is resharded onto the engine's mesh
-        compute_sh = sharding.tree_shardings(
-            models.logical_axes(model_cfg), dmesh, rules, shapes=param_shapes
-        )
-    compute_shapes = jax.tree.map(lambda x: _struct(x.shape, dtypes.compute_dtype), param_shapes)
-
-    def decode(params, st):
-        # The kernel's body, traced afresh: the jitted kernel's trace cache would reuse the
-        # sharding constraints of the first mesh it was traced under (one process may plan
-        # several meshes).
-        return generate_kernel.__wrapped__(
-            params,
-            st,
-            None,
-            num_steps=1,
-            mode="sample",
-            config=model_cfg,
-            max_len=cache_len,
-            hook=None,
-        )
-
     lowered = {
-        "update": lambda: jax.jit(
-            update,
-            in_shardings=(state_sh, batch_sh, *([param_sh] if lora else [])),
-            out_shardings=(state_sh, replicated),
-            donate_argnums=0,
-        ).lower(state_shapes, batch, *([frozen] if lora else [])),
-        "logprobs": lambda: jax.jit(
-            logprobs,
-            in_shardings=(policy_sh, jax.tree.map(lambda _: rows_sh, seqs)),
-            out_shardings=(rows_sh, rows_sh),
-        ).lower(policy, seqs),
-        "decode": lambda: jax.jit(
-            decode, in_shardings=(compute_sh, state_dec_sh), donate_argnums=1
-        ).lower(compute_shapes, state),
+        "update": lambda: make_rl_step(settings, mesh, rules).lower_shapes(rows, seq_len),
+        "decode": lambda: lower_decode(
+            settings.model,
+            settings.dtypes,
+            slots=slots,
+            cache_len=cache_len,
+            mesh=mesh if decode_mesh is None else decode_mesh,
+            rules=rules,
+        ),
     }
-    out = {}
-    for name in functions:
-        with sharding.use_mesh(dmesh if name == "decode" else mesh, rules):
-            out[name] = Memory.of(lowered[name]().compile())
-    return out
-
-
-def _trained(model_cfg, param_shapes, param_sh, mesh, dtypes, rules, lora):
-    """(trained shapes, their shardings, the frozen base or None, the policy the log-prob pass
-    reads, its shardings): the weights for full fine-tuning; adapters over a compute-dtype
-    base with LoRA."""
-    if lora is None:
-        return param_shapes, param_sh, None, param_shapes, param_sh
-    adapters = lora_shapes(model_cfg, lora, dtypes.param_dtype)
-    adapters_sh = sharding.tree_shardings(
-        models.lora_logical_axes(lora), mesh, rules, shapes=adapters
-    )
-    base = models.param_shapes(model_cfg, dtypes.compute_dtype)
-    policy = models.with_lora(base, adapters, lora)
-    return adapters, adapters_sh, base, policy, models.with_lora(param_sh, adapters_sh, lora)
+    return {name: Memory.of(lowered[name]().compile()) for name in functions}
 
 
 def _device_bytes(shapes, shardings) -> int:
@@ -258,68 +199,55 @@ def _device_bytes(shapes, shardings) -> int:
 
 
 def resident_bytes(
-    model_cfg: models.ModelConfig,
+    settings: StepSettings,
     *,
     mesh,
-    dtypes: models.DTypePolicy,
     rules=None,
-    lora: models.LoraConfig | None = None,
     lora_decode: str = "merged",
     decode_mesh=None,
 ) -> dict[str, int]:
     """Per device, what stays allocated across a step's phases.
 
     Returns:
-      {"state": the train state (trained weights and their AdamW moments),
-       "frozen": LoRA's base weights (0 without LoRA),
-       "read": the resident weights the log-prob pass takes as arguments,
+      {"state": the RL state's trained part (weights or adapters, the critic, their AdamW
+         moments, counters),
+       "frozen": its frozen policy (LoRA's base, or a full fine-tune's reference; 0 if none),
        "serving": the engine's own copy of the weights (compute dtype, on `decode_mesh` when
          given; 0 when it decodes the resident weights themselves: float32 full fine-tuning on
          one mesh, LoRA with `decode: adapters`),
        "decode_reads": the resident weights decoding takes as arguments (0 with a copy)}.
     """
-    shapes = models.param_shapes(model_cfg, dtypes.param_dtype)
-    param_sh = sharding.tree_shardings(models.logical_axes(model_cfg), mesh, rules, shapes=shapes)
-    trained, trained_sh, frozen, policy, policy_sh = _trained(
-        model_cfg, shapes, param_sh, mesh, dtypes, rules, lora
-    )
-    optimizer = make_optimizer(1e-6, total_steps=1)
-    state_shapes = jax.eval_shape(lambda p: create_train_state(p, optimizer, 0), trained)
-    state = _device_bytes(state_shapes, train_state_shardings(state_shapes, trained_sh, mesh))
+    step = make_rl_step(settings, mesh, rules)
+    shapes, shardings = step.state_shapes, step.state_shardings
+    state = _device_bytes(shapes.replace(frozen=None), shardings.replace(frozen=None))
+    frozen = 0 if shapes.frozen is None else _device_bytes(shapes.frozen, shardings.frozen)
+    model_cfg, dtypes = settings.model, settings.dtypes
     compute = models.param_shapes(model_cfg, dtypes.compute_dtype)
+    param_sh = sharding.tree_shardings(models.logical_axes(model_cfg), mesh, rules, shapes=compute)
     compute_bytes = _device_bytes(compute, param_sh)
-    if lora is None:
+    if settings.lora is None:
         same = jnp.dtype(dtypes.compute_dtype) == jnp.dtype(dtypes.param_dtype)
         serving = 0 if same else compute_bytes
-        frozen_bytes, decode_reads = 0, (_device_bytes(shapes, param_sh) if same else 0)
+        decode_reads = _device_bytes(shapes.actor.params, shardings.actor.params) if same else 0
     else:
-        frozen_bytes = _device_bytes(frozen, param_sh)
         serving = compute_bytes if lora_decode == "merged" else 0
-        decode_reads = 0 if serving else frozen_bytes
+        decode_reads = 0 if serving else frozen
     if decode_mesh is not None and decode_mesh is not mesh:  # a resharded copy, always
         dec_sh = sharding.tree_shardings(
             models.logical_axes(model_cfg), decode_mesh, rules, shapes=compute
         )
         serving, decode_reads = _device_bytes(compute, dec_sh), 0
-    return {
-        "state": state,
-        "frozen": frozen_bytes,
-        "read": _device_bytes(policy, policy_sh),
-        "serving": serving,
-        "decode_reads": decode_reads,
-    }
+    return {"state": state, "frozen": frozen, "serving": serving, "decode_reads": decode_reads}
 
 
 def phase_totals(figures: dict[str, Memory], resident: dict[str, int]) -> dict[str, int]:
-    """Each phase's peak plus what the other phases keep allocated meanwhile: the engine's
-    serving copy during the update and log-prob passes, the train state and LoRA's base during
-    the log-prob pass (beyond the weights it reads) and during decoding."""
+    """Each phase's peak plus what the other phase keeps allocated meanwhile: the engine's
+    serving copy during the RL step (whose arguments are the state and frozen policy), the RL
+    state and frozen policy during decoding (beyond the weights it reads)."""
     r = resident
-    kept = r["state"] + r["frozen"]
     return {
         "update": figures["update"].peak + r["serving"],
-        "logprobs": figures["logprobs"].peak + kept - r["read"] + r["serving"],
-        "decode": figures["decode"].peak + kept - r["decode_reads"],
+        "decode": figures["decode"].peak + r["state"] + r["frozen"] - r["decode_reads"],
     }
 
 
@@ -363,7 +291,7 @@ class RunPlan:
     """A run's per-device memory and what it is compared with.
 
     Attributes:
-      figures: Memory of the update, log-prob forward and decode step, per device.
+      figures: Memory of the RL step ("update") and the decode step, per device.
       totals: each phase's bytes per device with what stays allocated meanwhile
         (`phase_totals`): what must fit.
       mesh: (data, fsdp, tensor).
@@ -407,84 +335,49 @@ class RunPlan:
         return out
 
 
-def model_config(cfg) -> models.ModelConfig:
-    """The run's architecture without its weights: `config.json` of `model.path`, or the tiny
-    model with the tokenizer's vocabulary (`tokenizer.vocab_size` when it is not built yet)."""
-    if cfg.model.path is not None:
-        return models.load_config(cfg.model.path)
-    tiny = dataclasses.asdict(cfg.model.tiny)
-    tiny.pop("seed")
-    return models.ModelConfig(
-        **tiny,
-        vocab_size=cfg.tokenizer.vocab_size,
-        attention_bias=tiny["model_type"] == "qwen2",
-        qk_norm=tiny["model_type"] == "qwen3",
-    )
-
-
-def run_shapes(cfg) -> dict:
-    """plan_memory's shape arguments for one RL step of the run."""
-    r, o = cfg.rollout, cfg.optim
-    rows = cfg.update_rows // o.num_mini_batches
-    prefill = max(16, 1 << (r.max_prompt_len - 1).bit_length())  # the engine's prompt bucket
-    return dict(
-        micro_batch_size=o.micro_batch_size,
-        num_micro=max(1, rows // o.micro_batch_size),
-        seq_len=r.max_prompt_len + r.max_response_len,
-        slots=r.slots,
-        cache_len=prefill + r.max_response_len,
-        remat=cfg.model.remat_policy if cfg.model.remat else False,
-        attention=cfg.model.attention,
-        algorithm=cfg.algorithm,
-    )
-
-
 def plan_run(cfg, mesh, hbm: int | None = None, search: bool = False) -> RunPlan:
-    """Compiles the run's step functions on abstract shapes on `mesh` (no weights loaded).
+    """Compiles the run's RL step and decode step on abstract shapes on `mesh` (no weights).
 
     With `search`, also finds the largest micro-batch that fits in `hbm` (one compile of the
-    update per doubling)."""
-    model_cfg = model_config(cfg)
-    shapes = run_shapes(cfg)
-    lora = dict(lora=cfg.model.lora.config)
+    step per doubling)."""
+    step = run_step(cfg, mesh)
+    settings, shapes = step.settings, run_shapes(cfg)
     decode_mesh = None
     if cfg.rollout.mesh_shape is not None:  # the engine's mesh, over the same devices
         decode_mesh = sharding.make_mesh(cfg.rollout.mesh_shape, list(mesh.devices.flat))
-    figures = plan_memory(
-        model_cfg, mesh=mesh, dtypes=cfg.model.dtypes, decode_mesh=decode_mesh, **shapes, **lora
-    )
+    figures = plan_memory(settings, mesh=mesh, decode_mesh=decode_mesh, **shapes)
     resident = resident_bytes(
-        model_cfg,
-        mesh=mesh,
-        dtypes=cfg.model.dtypes,
-        lora_decode=cfg.model.lora.decode,
-        decode_mesh=decode_mesh,
-        **lora,
+        settings, mesh=mesh, lora_decode=cfg.model.lora.decode, decode_mesh=decode_mesh
     )
     totals = phase_totals(figures, resident)
     shape = tuple(mesh.shape[a] for a in mesh.axis_names)
     largest = None
     if search and hbm is not None:
         width = shape[0] * shape[1]  # rows of a micro-batch split over data x fsdp
-        rows = shapes["micro_batch_size"] * shapes["num_micro"]
+        n_mini = settings.optim.num_mini_batches
 
         def fits(b: int) -> bool:
-            # The micro-batch changes the update and the log-prob pass, not decoding.
-            trial = dict(shapes, micro_batch_size=b, num_micro=max(1, rows // b))
+            # The micro-batch changes the RL step, not decoding; rows rounded up to split.
+            trial = dataclasses.replace(
+                settings, optim=dataclasses.replace(settings.optim, micro_batch_size=b)
+            )
+            rows = -(-shapes["rows"] // (n_mini * b)) * n_mini * b
             trial_figures = plan_memory(
-                model_cfg,
-                mesh=mesh,
-                dtypes=cfg.model.dtypes,
-                **trial,
-                **lora,
-                functions=("update", "logprobs"),
+                trial, mesh=mesh, **dict(shapes, rows=rows), functions=("update",)
             )
             trial_figures["decode"] = figures["decode"]
             return max(phase_totals(trial_figures, resident).values()) <= hbm
 
-        largest = largest_fitting_micro_batch(fits, width, max(rows, width))
+        rows_per_mini = shapes["rows"] // n_mini
+        largest = largest_fitting_micro_batch(fits, width, max(rows_per_mini, width))
     return RunPlan(
-        figures, totals, shape, hbm, shapes["micro_batch_size"], largest, cfg.rollout.mesh_shape
+        figures,
+        totals,
+        shape,
+        hbm,
+        settings.optim.micro_batch_size,
+        largest,
+        cfg.rollout.mesh_shape,
     )
 
 
@@ -504,7 +397,6 @@ def fit_error(plan: RunPlan) -> str | None:
     worst = max(plan.totals, key=plan.totals.get)
     knob = {
         "update": "lower optim.micro_batch_size, set model.remat: true, or widen trainer.mesh",
-        "logprobs": "lower optim.micro_batch_size or widen trainer.mesh",
         "decode": "lower rollout.slots, set model.kv_cache_dtype: bfloat16, or widen trainer.mesh",
     }[worst]
     gib = lambda n: f"{n / 2**30:.1f} GiB"

@@ -19,10 +19,9 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxrl_tools import models, sharding
+from jaxrl_tools import models, records, sharding
 from jaxrl_tools.config import ConfigError, RunConfig, TinyModelConfig
 from jaxrl_tools.config_loader import apply_overrides
-from jaxrl_tools.demo.task import tokenizer_texts
 from jaxrl_tools.demo.tokenizer import build_mismatch
 from jaxrl_tools.rollout.kernels import next_pow2
 
@@ -205,7 +204,7 @@ def _clear_outputs(cfg: RunConfig) -> None:
     root = SMOKE_ROOT.resolve()
     folders = [] if cfg.trainer.resume else [cfg.trainer.checkpoint_dir, cfg.trainer.log_dir]
     t = cfg.tokenizer
-    extra = len(tokenizer_texts(cfg))
+    extra = len(records.tokenizer_texts(cfg))
     if t.build and build_mismatch(
         cfg.tokenizer_path, vocab_size=t.vocab_size, seed=t.seed, n_extra_texts=extra
     ):

@@ -383,6 +383,33 @@ class PropertyTest(chex.TestCase):
         np.testing.assert_allclose(a, np_whiten(np_returns(r, m, 0.9), m), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("seed", range(3))
+def test_padding_rows_change_no_real_rows_advantages(name, seed):
+    """Property: appending padding groups (any content, NaN included) with row_mask_B 0 leaves
+    every estimator's advantages and returns on the real rows as they are without them, and
+    gives 0 on the padding rows; the number of real rows is an array (no recompile)."""
+    assert sorted(ALL) == list_advantage_estimators()  # a new estimator joins this test
+    cfg = make_config(name, 4)
+    real = make_data(seed, num_groups=2, G=4)
+    junk = make_data(seed + 100, num_groups=3, G=4)
+    junk["values_BT"][0, :] = np.nan
+    junk["scores_B"][1] = np.inf
+    padded = {k: np.concatenate([real[k], junk[k]]) for k in real}
+    mask = np.r_[np.ones(8), np.zeros(12)].astype(np.float32)
+    run = jax.jit(lambda x: compute_advantages(name, x, cfg))
+    want = run(to_inputs(real))
+    got = run(to_inputs(dict(padded, row_mask_B=mask)))
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(np.asarray(g)[:8], w, rtol=1e-6, atol=1e-6)
+        assert not np.asarray(g)[8:].any()
+    # Another count of real rows (here one group fewer) runs the same compiled function.
+    fewer = run(to_inputs(dict(padded, row_mask_B=np.r_[mask[:4], np.zeros(16, np.float32)])))
+    assert run._cache_size() == 2  # the unpadded shape and the padded one, not one per count
+    first = run(to_inputs({k: v[:4] for k, v in real.items()}))
+    np.testing.assert_allclose(np.asarray(fewer[0])[:4], first[0], rtol=1e-6, atol=1e-6)
+
+
 class ErrorTest(chex.TestCase):
     def test_unknown_estimator_lists_valid(self):
         with pytest.raises(ValueError, match="unknown advantage estimator 'nope'.*grpo.*rloo"):

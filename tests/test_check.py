@@ -17,7 +17,7 @@ import pytest
 import yaml
 from fakes import TINY_RUN_MODEL
 
-from jaxrl_tools import check, prompts, run, tools
+from jaxrl_tools import check, prompts, records, run, tools
 from jaxrl_tools.cli import main, split_overrides
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import load_config
@@ -255,7 +255,7 @@ def test_long_prompts_are_dropped_when_asked(base, capsys, tmp_path):
     assert main([*argv, "data.drop_long_prompts=true"]) == 0
     assert "7 prompts, longest" in capsys.readouterr().out
     cfg = load_config(path, argv[3:] + ["data.drop_long_prompts=true"])
-    loader = run.train_loader(cfg)
+    loader = records.train_loader(cfg, run.setup_tokenizer(cfg))
     seen = {r["prompt"] for _ in range(4) for r in next(loader)}
     assert seen == {r["prompt"] for r in short}
 

@@ -135,7 +135,7 @@ def test_demo_compares_with_a_baseline_reward(run_config, capsys):
 def test_runs_keep_compiled_programs_in_the_configured_cache(monkeypatch, tmp_path):
     import jax
 
-    from jaxrl_tools import run
+    from jaxrl_tools import setup
     from jaxrl_tools.config_loader import config_from_dict
 
     folder = str(tmp_path / "xla_cache")
@@ -145,13 +145,13 @@ def test_runs_keep_compiled_programs_in_the_configured_cache(monkeypatch, tmp_pa
     before = jax.config.jax_compilation_cache_dir
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     try:
-        assert run.use_compile_cache(cfg) == folder
+        assert setup.use_compile_cache(cfg) == folder
         assert jax.config.jax_compilation_cache_dir == folder
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
     # The environment's cache (the test suite's, a cluster's shared one) wins.
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "shared"))
-    assert run.use_compile_cache(cfg) == str(tmp_path / "shared")
+    assert setup.use_compile_cache(cfg) == str(tmp_path / "shared")
 
 
 def test_config_directory_is_a_one_line_error(tmp_path, capsys):

@@ -119,6 +119,11 @@ def off_policy_batch(folder: str, seed: int) -> dict:
     return batch
 
 
+def update_settings(**algorithm) -> interop.UpdateSettings:
+    """An update with these algorithm fields (no KL unless given), torch's AdamW at lr 1e-6."""
+    return interop.UpdateSettings(AlgorithmSection(**{"kl_coef": 0.0, **algorithm}))
+
+
 def grpo_run_config(folder: str) -> RunConfig:
     """The run config of the GRPO case; the repro CLI test loads the same settings from YAML."""
     return RunConfig(
@@ -138,19 +143,19 @@ CASES = {
     "qwen2-grpo": ("qwen2", None),
     "qwen3-drgrpo": (
         "qwen3",
-        interop.UpdateSettings(
+        update_settings(
             adv_estimator="drgrpo", norm_adv_by_std=False, loss_agg_mode="seq-mean-token-sum-norm"
         ),
     ),
     "llama3-rloo": (
         "llama3",
-        interop.UpdateSettings(
+        update_settings(
             adv_estimator="rloo", loss_agg_mode="seq-mean-token-mean", entropy_coef=0.01
         ),
     ),
     "qwen2-ppo-critic": (
         "qwen2",
-        interop.UpdateSettings(adv_estimator="gae", lam=0.95, clip_eps_high=0.28),
+        update_settings(adv_estimator="gae", lam=0.95, clip_eps_high=0.28),
     ),
 }
 
@@ -174,7 +179,7 @@ def test_update_matches_pytorch_reference(policy, case):
     before = to_hf_tensors(cfg, params)
     moved = max(np.abs(ours.params[n] - before[n]).max() for n in before)
     assert max(np.abs(ours.params[n] - ref.params[n]).max() for n in ref.params) <= 1e-6
-    assert moved > 0.5 * settings.lr  # Adam's first step moves weights by about lr
+    assert moved > 0.5 * settings.optim.lr  # Adam's first step moves weights by about lr
     assert np.abs(ours.advantages).max() > 0.1
 
 
@@ -182,9 +187,9 @@ def test_update_matches_pytorch_reference(policy, case):
 # TRL has no dual clip: off here, so that the match does not depend on whether it binds.
 _NO_DUAL = dict(dual_clip_c=None)
 TRL_CASES = {
-    "grpo+kl": interop.UpdateSettings(loss_agg_mode="seq-mean-token-mean", kl_coef=0.1, **_NO_DUAL),
-    "bnpo": interop.UpdateSettings(loss_agg_mode="token-mean", clip_eps_high=0.28, **_NO_DUAL),
-    "dr_grpo": interop.UpdateSettings(
+    "grpo+kl": update_settings(loss_agg_mode="seq-mean-token-mean", kl_coef=0.1, **_NO_DUAL),
+    "bnpo": update_settings(loss_agg_mode="token-mean", clip_eps_high=0.28, **_NO_DUAL),
+    "dr_grpo": update_settings(
         adv_estimator="drgrpo",
         norm_adv_by_std=False,
         loss_agg_mode="seq-mean-token-sum-norm",
@@ -213,9 +218,9 @@ def test_trl_grpo_loss_matches_ours(policy, case):
 
 def test_trl_refuses_what_it_cannot_express():
     for settings, field in (
-        (interop.UpdateSettings(loss_agg_mode="seq-mean-token-sum"), "loss_agg_mode"),
-        (interop.UpdateSettings(kl_coef=0.1, kl_type="mse"), "kl_type"),
-        (interop.UpdateSettings(entropy_coef=0.01), "entropy_coef"),
+        (update_settings(loss_agg_mode="seq-mean-token-sum"), "loss_agg_mode"),
+        (update_settings(kl_coef=0.1, kl_type="mse"), "kl_type"),
+        (update_settings(entropy_coef=0.01), "entropy_coef"),
     ):
         with pytest.raises(ConfigError, match=field):
             trl_grpo.check_settings(settings)
@@ -224,14 +229,14 @@ def test_trl_refuses_what_it_cannot_express():
 def test_batch_round_trip_is_lossless(tmp_path):
     batch = random_batch(3)
     batch["old_log_probs"] = np.random.default_rng(0).normal(size=(B, R)).astype(np.float32)
-    settings = interop.UpdateSettings(adv_estimator="rloo", dual_clip_c=None)
+    settings = update_settings(adv_estimator="rloo", dual_clip_c=None)
     interop.save_batch(tmp_path / "b.parquet", batch, settings.to_dict(), notes="test")
     loaded, stored = interop.load_batch(tmp_path / "b.parquet")
     assert set(loaded) == set(batch)
     for name, x in batch.items():
         assert loaded[name].dtype == x.dtype, name
         np.testing.assert_array_equal(loaded[name], x, err_msg=name)
-    assert interop.UpdateSettings(**stored) == settings
+    assert interop.UpdateSettings.from_dict(stored) == settings
 
 
 def test_rollouts_export_in_verl_layout_and_pack_back_to_the_trainers():
@@ -277,7 +282,7 @@ def test_bad_batches_name_the_field(tmp_path):
 @pytest.mark.parametrize("estimator", interop.REFERENCE_ESTIMATORS)
 def test_advantages_match_the_torch_transcription(estimator):
     batch = random_batch(6)
-    settings = interop.UpdateSettings(adv_estimator=estimator, gamma=0.9, lam=0.8)
+    settings = update_settings(adv_estimator=estimator, gamma=0.9, lam=0.8)
     ours = interop.advantages_by_uid(batch, settings)
     ref = [x.numpy() * batch["response_mask"] for x in reference.advantages(batch, settings)]
     for name, a, b in zip(("advantages", "returns"), ours, ref):
@@ -287,7 +292,7 @@ def test_advantages_match_the_torch_transcription(estimator):
 
 def test_uid_groups_equal_contiguous_rows():
     batch = random_batch(5)
-    settings = interop.UpdateSettings(adv_estimator="grpo")
+    settings = update_settings(adv_estimator="grpo")
     adv, _ = interop.advantages_by_uid(batch, settings)
     order, group_size = algorithms.contiguous_groups(batch["uid"])
     assert group_size == G and sorted(order) == list(range(B))

@@ -220,7 +220,7 @@ def test_a_trainer_step_changes_only_the_adapters(tiny):
     want = models.merge(trainer.base, trainer.state.params, trainer.lora)
     jax.tree.map(np.testing.assert_allclose, jax.tree.map(np.asarray, merged), want)
     # Checkpoints hold the adapters (and optimizer), not the frozen base nor a reference copy.
-    assert set(trainer.checkpoint_state()) == {"actor"}
+    assert set(trainer.checkpoint_state()) == {"actor", "step", "rng"}
     trainer.step(batch)
     assert trainer.params is not merged
 
@@ -259,7 +259,7 @@ def test_a_resumed_lora_run_gets_its_adapters_and_its_sft_base_back(tiny, tmp_pa
     )
     trainer, batch = _trainer_and_batch(cfg, params)
     trainer.step(batch)
-    assert set(trainer.checkpoint_state()) == {"actor", "base"}
+    assert set(trainer.checkpoint_state()) == {"actor", "base", "step", "rng"}
     ckpt = Checkpointer(str(tmp_path / "ckpt"), every=1, async_save=False)
     ckpt.save(1, trainer.checkpoint_state(), {}, force=True)
     other = models.init_params(config, jax.random.key(5))  # what a restart loads: not the base

@@ -1,5 +1,6 @@
 """jaxrl_tools.plan: compiled memory figures account for the state, the batch and the KV cache."""
 
+import dataclasses
 import json
 import math
 import re
@@ -11,6 +12,7 @@ import pytest
 from fakes import run_on_8_devices, tiny_model_config
 
 from jaxrl_tools import models, plan, sharding
+from jaxrl_tools.config import AlgorithmSection
 from jaxrl_tools.models.lora import lora_shapes
 
 
@@ -18,20 +20,21 @@ def test_plan_memory_accounts_for_master_weights_adam_and_bf16_cache():
     cfg = tiny_model_config()
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(models.param_shapes(cfg)))
     M, b, T, slots, cache_len = 2, 4, 32, 4, 64
+    settings = plan.grpo_settings(
+        cfg, dtypes=models.DTypePolicy(compute="bfloat16"), micro_batch_size=b
+    )
     figures = plan.plan_memory(
-        cfg,
+        settings,
         mesh=sharding.make_mesh((1, -1, 1)),
-        dtypes=models.DTypePolicy(compute="bfloat16"),
-        micro_batch_size=b,
-        num_micro=M,
+        rows=M * b,
         seq_len=T,
         slots=slots,
         cache_len=cache_len,
     )
-    # Update arguments: fp32 weights + Adam mu and nu (12 bytes a parameter), the batch (six
-    # [M, b, T] 4-byte arrays; jit drops the unused [M, b] "correct" without an NLL term), and
-    # a few counters (step, RNG key, Adam's count).
-    batch = 4 * 6 * M * b * T
+    # The RL step's arguments: fp32 weights + Adam mu and nu (12 bytes a parameter), the batch
+    # (tokens, positions, attention, loss mask: four [M * b, T] 4-byte arrays; the estimator's
+    # scores and row mask: two [M * b]), and a few counters (steps, RNG key, Adam's count).
+    batch = 4 * 4 * M * b * T + 2 * 4 * M * b
     extra = figures["update"].arguments - 12 * n - batch
     assert 0 <= extra <= 64, extra
     assert figures["update"].aliased >= 12 * n  # the state is donated
@@ -42,35 +45,45 @@ def test_plan_memory_accounts_for_master_weights_adam_and_bf16_cache():
     assert 0 <= extra <= small, extra
     assert all(m.peak >= m.arguments for m in figures.values())
     lines = plan.describe(figures, plan.ACCELERATORS["v5e"])
-    assert len(lines) == 3 and all("fits in 16.00 GiB" in line for line in lines)
+    assert len(lines) == 2 and all("fits in 16.00 GiB" in line for line in lines)
 
 
 def test_resident_state_and_serving_copy_are_added_to_each_phase():
     cfg = tiny_model_config()
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(models.param_shapes(cfg)))
     mesh = sharding.make_mesh((1, -1, 1))
-    fp32 = plan.resident_bytes(cfg, mesh=mesh, dtypes=models.DTypePolicy())
-    bf16 = plan.resident_bytes(cfg, mesh=mesh, dtypes=models.DTypePolicy(compute="bfloat16"))
-    assert fp32["read"] == bf16["read"] == 4 * n and fp32["frozen"] == 0
+    settings = lambda **kw: plan.grpo_settings(cfg, **kw)  # noqa: E731
+    fp32 = plan.resident_bytes(settings(), mesh=mesh)
+    bf16 = plan.resident_bytes(settings(dtypes=models.DTypePolicy(compute="bfloat16")), mesh=mesh)
+    assert fp32["frozen"] == 0  # no KL: no reference copy
     assert 12 * n <= fp32["state"] <= 12 * n + 64  # weights, mu, nu (+ counters)
     assert fp32["serving"] == 0 and bf16["serving"] == 2 * n  # fp32 serves the weights themselves
     assert fp32["decode_reads"] == 4 * n and bf16["decode_reads"] == 0
     m = plan.Memory(arguments=100, outputs=10, temporaries=50, aliased=0)
-    figures = {"update": m, "logprobs": m, "decode": m}
+    figures = {"update": m, "decode": m}
     t32, t16 = plan.phase_totals(figures, fp32), plan.phase_totals(figures, bf16)
     assert t32["update"] == 160 and t16["update"] == 160 + 2 * n
     assert t32["decode"] == 160 + fp32["state"] - 4 * n and t16["decode"] == 160 + bf16["state"]
-    assert t32["logprobs"] == 160 + fp32["state"] - 4 * n
+
+    # KL on: the full fine-tune's reference policy (bf16) stays resident as the frozen policy.
+    kl = plan.resident_bytes(
+        settings(
+            dtypes=models.DTypePolicy(compute="bfloat16"),
+            algorithm=AlgorithmSection(kl_coef=0.01),
+        ),
+        mesh=mesh,
+    )
+    assert kl["frozen"] == 2 * n and kl["state"] == bf16["state"]
 
     # LoRA: the state is the adapters' (and their moments), the bf16 base stays resident, and
     # the engine's merged copy is another bf16 set of weights.
     lora = models.LoraConfig(rank=4, alpha=8.0)
     a = sum(math.prod(x.shape) for x in jax.tree.leaves(lora_shapes(cfg, lora)))
     lo = plan.resident_bytes(
-        cfg, mesh=mesh, dtypes=models.DTypePolicy(compute="bfloat16"), lora=lora
+        settings(dtypes=models.DTypePolicy(compute="bfloat16"), lora=lora), mesh=mesh
     )
     assert 12 * a <= lo["state"] <= 12 * a + 64 and lo["frozen"] == lo["serving"] == 2 * n
-    assert lo["read"] == 2 * n + 4 * a and lo["decode_reads"] == 0
+    assert lo["decode_reads"] == 0
 
 
 def test_lora_update_holds_adapter_moments_and_the_base_once():
@@ -79,20 +92,20 @@ def test_lora_update_holds_adapter_moments_and_the_base_once():
     lora = models.LoraConfig(rank=4, alpha=8.0)
     a = sum(math.prod(x.shape) for x in jax.tree.leaves(lora_shapes(cfg, lora)))
     M, b, T = 2, 4, 32
+    settings = plan.grpo_settings(
+        cfg, dtypes=models.DTypePolicy(compute="bfloat16"), micro_batch_size=b, lora=lora
+    )
     figures = plan.plan_memory(
-        cfg,
+        settings,
         mesh=sharding.make_mesh((1, -1, 1)),
-        dtypes=models.DTypePolicy(compute="bfloat16"),
-        micro_batch_size=b,
-        num_micro=M,
+        rows=M * b,
         seq_len=T,
         slots=4,
         cache_len=64,
-        lora=lora,
         functions=("update",),
     )
     # Adapters + their two moments (fp32), the bf16 base, the batch: no base-sized moments.
-    batch = 4 * 6 * M * b * T
+    batch = 4 * 4 * M * b * T + 2 * 4 * M * b
     extra = figures["update"].arguments - 12 * a - 2 * n - batch
     assert 0 <= extra <= 64, extra
     assert figures["update"].aliased >= 12 * a
@@ -119,12 +132,13 @@ def test_plan_command_says_whether_the_run_fits_and_the_largest_micro_batch(
     tmp_path, capsys, monkeypatch
 ):
     # The command's logic on figures that grow with the micro-batch (compiling is tested above
-    # and end to end below): 1 MiB per row in the update and the log-prob pass.
+    # and end to end below): 1 MiB per row in the RL step.
     from jaxrl_tools.cli import main
 
     calls = []
 
-    def figures(model_cfg, *, micro_batch_size, functions=plan.FUNCTIONS, **kw):
+    def figures(settings, *, functions=plan.FUNCTIONS, **kw):
+        micro_batch_size = settings.optim.micro_batch_size
         calls.append((micro_batch_size, functions))
         m = plan.Memory(arguments=micro_batch_size << 20, outputs=0, temporaries=0, aliased=0)
         return {f: m for f in functions}
@@ -134,10 +148,10 @@ def test_plan_command_says_whether_the_run_fits_and_the_largest_micro_batch(
     assert main(["plan", "--config", str(path), "--memory-gib", "4"]) == 0
     out = capsys.readouterr().out
     assert "mesh 1x1x1 (data x fsdp x tensor), per device:" in out
-    assert out.count("fits in 4.00 GiB") == 3, out
-    # 4 rows a step: micro-batches of 1, 2 and 4 are tried (update and log-probs), all fit.
+    assert out.count("fits in 4.00 GiB") == 2, out
+    # 4 rows a step: micro-batches of 1, 2 and 4 are tried (the RL step), all fit.
     assert "largest optim.micro_batch_size that fits: 4 (configured: 2)" in out
-    assert calls == [(2, plan.FUNCTIONS)] + [(b, ("update", "logprobs")) for b in (1, 2, 4)]
+    assert calls == [(2, plan.FUNCTIONS)] + [(b, ("update",)) for b in (1, 2, 4)]
 
     assert main(["plan", "--config", str(path), "--memory-gib", "0.0001"]) == 1
     out = capsys.readouterr().out
@@ -156,8 +170,10 @@ def test_train_and_check_refuse_a_run_that_cannot_fit(tmp_path, capsys, monkeypa
 
     monkeypatch.setattr(plan, "device_memory", lambda: 2**20)
     # The tiny run's real figures are well over 1 MiB; faked here (compiling is tested above).
+    # The RL step is the phase that does not fit by the most.
     m = plan.Memory(arguments=2**21, outputs=0, temporaries=0, aliased=0)
-    monkeypatch.setattr(plan, "plan_memory", lambda *a, **kw: dict.fromkeys(plan.FUNCTIONS, m))
+    step = dataclasses.replace(m, arguments=2**30)
+    monkeypatch.setattr(plan, "plan_memory", lambda *a, **kw: {"update": step, "decode": m})
     cfg = load_config(_run_config(tmp_path), [])
     try:
         plan.check_fits(cfg, None)
@@ -165,7 +181,7 @@ def test_train_and_check_refuse_a_run_that_cannot_fit(tmp_path, capsys, monkeypa
         message = str(e)
     else:
         raise AssertionError("a 1 MiB device took the run")
-    assert re.match(r"the run does not fit: its (update|logprobs|decode) step needs", message)
+    assert re.match(r"the run does not fit: its update step needs", message)
     assert "optim.micro_batch_size" in message and "\n" not in message
     monkeypatch.setattr(run.check, "preflight", lambda cfg, **kw: None)  # no tokenizer here
     with pytest.raises(ConfigError, match="does not fit"):
@@ -190,12 +206,12 @@ def _main(out_dir: str) -> None:
     assert jax.device_count() == 8
     cfg = tiny_model_config()
     train, own = sharding.make_mesh((1, 8, 1)), sharding.make_mesh((4, 1, 2))
-    shapes = dict(micro_batch_size=8, num_micro=1, seq_len=16, slots=8, cache_len=32)
-    dtypes = models.DTypePolicy()
+    shapes = dict(rows=8, seq_len=16, slots=8, cache_len=32)
+    settings = plan.grpo_settings(cfg, micro_batch_size=8)
 
     def decode(mesh, decode_mesh=None):
         figures = plan.plan_memory(
-            cfg, mesh=mesh, dtypes=dtypes, functions=("decode",), decode_mesh=decode_mesh, **shapes
+            settings, mesh=mesh, functions=("decode",), decode_mesh=decode_mesh, **shapes
         )
         return [figures["decode"].arguments, figures["decode"].temporaries]
 
@@ -205,10 +221,8 @@ def _main(out_dir: str) -> None:
         "own": decode(train, own),
         "alone": decode(own),
         "trainer": decode(train),
-        "serving_same_mesh": plan.resident_bytes(cfg, mesh=train, dtypes=dtypes)["serving"],
-        "serving_own": plan.resident_bytes(cfg, mesh=train, dtypes=dtypes, decode_mesh=own)[
-            "serving"
-        ],
+        "serving_same_mesh": plan.resident_bytes(settings, mesh=train)["serving"],
+        "serving_own": plan.resident_bytes(settings, mesh=train, decode_mesh=own)["serving"],
         "params_per_device_own": plan._device_bytes(params, own_sh),
     }
     Path(out_dir, "report.json").write_text(json.dumps(report))
@@ -216,3 +230,52 @@ def _main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     _main(sys.argv[1])
+
+
+def test_the_planned_step_is_the_trained_step(monkeypatch):
+    """`plan` compiles the very function the trainer runs: one `RLStep` object, for a run with
+    truncated importance weights, packed rows and a critic."""
+    from fakes import TINY_RUN_MODEL, fixed_trajectories
+
+    from jaxrl_tools import run, step_config
+    from jaxrl_tools.config_loader import config_from_dict
+    from jaxrl_tools.train.batch import make_batch
+    from jaxrl_tools.train.step import RLStep
+
+    cfg = config_from_dict(
+        {
+            "model": {"tiny": TINY_RUN_MODEL},
+            "tokenizer": {"path": "unused", "vocab_size": 300},
+            "data": {"batch_size": 2},
+            "rollout": {"group_size": 4, "max_prompt_len": 16, "max_response_len": 16},
+            "algorithm": {"adv_estimator": "gae", "kl_coef": 0.0, "tis_cap": 2.0},
+            "critic": {"enabled": True},
+            "reward": [{"name": "math", "kwargs": {"correct": 1.0, "wrong": 0.0}}],
+            "optim": {"micro_batch_size": 2, "pack": True},
+        }
+    )
+    used = {"lowered": [], "called": []}
+    lower, call = RLStep.lower, RLStep.__call__
+    monkeypatch.setattr(RLStep, "lower", lambda s, *a: used["lowered"].append(s) or lower(s, *a))
+    monkeypatch.setattr(RLStep, "__call__", lambda s, *a: used["called"].append(s) or call(s, *a))
+    mesh = sharding.make_mesh((1, 1, 1))
+    figures = plan.plan_run(cfg, mesh).figures
+    assert figures["update"].arguments > 0
+
+    model_cfg = step_config.model_config(cfg)
+    trainer = run.make_trainer(
+        cfg, model_cfg, models.init_params(model_cfg, jax.random.key(0)), mesh
+    )
+    batch = make_batch(
+        [{"prompt": "q", "ground_truth": "7"}] * 2,
+        fixed_trajectories(),
+        run.make_reward(cfg),
+        cfg.algorithm.filters,
+        group_size=4,
+        rows=trainer.rows,
+        pad_id=0,
+    )
+    metrics = trainer.step(batch)
+    assert {"actor/is_weight_mean", "critic/loss", "packing/rows"} <= set(metrics), metrics
+    assert used["lowered"] == used["called"] == [trainer.step_fn]
+    assert used["lowered"][0] is used["called"][0] is step_config.run_step(cfg, mesh)

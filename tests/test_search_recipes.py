@@ -12,14 +12,14 @@ import bm25s
 import numpy as np
 import pytest
 
-from jaxrl_tools.check import open_tokenizer
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import load_config
 from jaxrl_tools.datasets import search_qa, sql_qa
 from jaxrl_tools.datasets.contamination import filter_contaminated
-from jaxrl_tools.demo.task import tokenizer_texts
 from jaxrl_tools.demo.tokenizer import build_tokenizer
+from jaxrl_tools.records import tokenizer_texts
 from jaxrl_tools.rewards import get_reward, qa_correct
+from jaxrl_tools.setup import setup_tokenizer
 from jaxrl_tools.tools import create_tool, get_parser
 from jaxrl_tools.tools.dense import DenseIndex
 from jaxrl_tools.tools.search import BM25Index, PassageStore, build_index, iter_passages
@@ -107,7 +107,7 @@ def test_demo_tokenizer_reads_the_corpus_names_whole(tmp_path, monkeypatch):
     cfg = load_config("configs/search_demo.yaml", [f"tokenizer.path={tmp_path / 'tok'}"])
     texts = tokenizer_texts(cfg)
     assert len(texts) == len(read_jsonl(SHIPPED / "corpus.jsonl"))
-    tok = open_tokenizer(cfg)
+    tok = setup_tokenizer(cfg)
     trace = read_jsonl(SHIPPED / "sft_traces.jsonl")
     searched = next(t for t in trace if t["uses_search"] and t["id"].startswith("birthplace"))
     name = searched["id"].split(":")[1]

@@ -186,11 +186,11 @@ def test_objective_has_zero_gradient_at_masked_tokens(grpo):
         k: jnp.asarray(v)
         for k, v in pad_trajectories(captured[-1], pad_id=0, rows=trainer.rl.rows).items()
     }
-    logp, ent = trainer.rl._logprobs(trainer.rl.params, b)
+    logp, ent = trainer.rl.logprobs(trainer.rl.params, b)
     rng = np.random.default_rng(0)
     old = logp + jnp.asarray(0.1 * rng.standard_normal(logp.shape), jnp.float32)
     adv = jnp.asarray(rng.standard_normal(logp.shape), jnp.float32)
-    pcfg = dataclasses.replace(trainer.rl.pcfg, entropy_coef=0.01)
+    pcfg = dataclasses.replace(trainer.rl.settings.policy_loss, entropy_coef=0.01)
 
     def loss(lp, e):
         return algorithms.policy_loss(pcfg, lp, old, adv, b["loss_mask"], entropy_BT=e).loss

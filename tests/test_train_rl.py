@@ -77,7 +77,7 @@ def test_pad_aligns_tokens_and_masks():
 
 def _mean_logp(trainer, trajs, rows):
     batch = {k: jnp.asarray(v) for k, v in pad_trajectories(trajs, pad_id=0, rows=rows).items()}
-    logp, _ = trainer._logprobs(trainer.params, batch)
+    logp, _ = trainer.logprobs(trainer.params, batch)
     per_seq = (logp * batch["loss_mask"]).sum(1) / batch["loss_mask"].sum(1)
     return np.asarray(per_seq)
 
@@ -140,7 +140,7 @@ def test_logprob_forward_runs_in_micro_batches_equal_to_one_batch():
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, micro_batch_size=2))
     trainer = make_trainer(cfg, trajs)
     batch = {k: jnp.asarray(v) for k, v in pad_trajectories(trajs, pad_id=0, rows=8).items()}
-    logp_micro, ent_micro = trainer._logprobs(trainer.params, batch)
+    logp_micro, ent_micro = trainer.logprobs(trainer.params, batch)
     one_batch = jax.jit(objectives.sequence_logprobs, static_argnums=(0, 1, 2))
     logp, ent = one_batch(trainer.model_cfg, 1.0, False, trainer.params, batch)
     np.testing.assert_allclose(logp_micro, logp, atol=1e-6)

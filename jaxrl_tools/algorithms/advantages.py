@@ -13,6 +13,12 @@ returns float32 ``[B, T]`` advantages and returns, both 0 where ``loss_mask_BT``
 Critic-free estimators return ``returns_BT == advantages_BT`` (as verl); ``gae``/``vapo`` return
 the critic's targets (A + V).
 
+Padding rows: ``row_mask_B`` (1 on real rows, 0 on padding) lets one compiled call serve any
+number of real rows. ``compute_advantages`` clears the padding rows' inputs (masks, scores,
+rewards, values: 0) before the estimator runs and their outputs after, so padding changes no
+real row's advantages, whatever it holds, provided it comes in whole groups (every group of a
+group estimator is all real or all padding).
+
 Shapes and dtypes are checked at trace time (static properties only, so it all works under jit):
 every ``_BT`` field must be exactly ``loss_mask_BT``'s [B, T], every ``_B`` field [B], the
 ``_BS`` fields one common [B, S]; ``anchor_ids_BS`` and ``token_step_BT`` must be integers.
@@ -61,6 +67,7 @@ _FIELDS = (
     "step_mask_BS",
     "anchor_ids_BS",
     "token_step_BT",
+    "row_mask_B",
 )
 _INT_FIELDS = {"anchor_ids_BS": "ids of environment states", "token_step_BT": "step indices"}
 
@@ -82,6 +89,7 @@ class AdvantageInputs:
       anchor_ids_BS: [B, S] int id of the environment state at each step, equal ids = same state;
         compared only inside a prompt group (gigpo; the host hashes the state strings).
       token_step_BT: [B, T] int step index (0..S-1) of each token (gigpo).
+      row_mask_B: [B] 1 on real rows, 0 on padding rows (module docstring); None: all real.
     """
 
     loss_mask_BT: jax.Array
@@ -94,6 +102,7 @@ class AdvantageInputs:
     step_mask_BS: jax.Array | None = None
     anchor_ids_BS: jax.Array | None = None
     token_step_BT: jax.Array | None = None
+    row_mask_B: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(AdvantageInputs, data_fields=list(_FIELDS), meta_fields=[])
@@ -208,7 +217,27 @@ def compute_advantages(
     """
     fn = get_advantage_estimator(name)
     check_inputs(name, inputs)
-    return fn(inputs, config)
+    if inputs.row_mask_B is None:
+        return fn(inputs, config)
+    real_B = inputs.row_mask_B > 0
+    adv, ret = fn(clear_padding_rows(inputs), config)
+    return jnp.where(real_B[:, None], adv, 0.0), jnp.where(real_B[:, None], ret, 0.0)
+
+
+def clear_padding_rows(inputs: AdvantageInputs) -> AdvantageInputs:
+    """``inputs`` with every field 0 on the rows where ``row_mask_B`` is 0 (and no row mask):
+    a padding row then has no model token, no score, no step and no reward, so it cannot move
+    a real row's batch statistics, and a group of padding rows is a group of equal zeros."""
+    real_B = inputs.row_mask_B > 0
+
+    def clear(x):
+        if x is None:
+            return None
+        real = real_B.reshape(real_B.shape + (1,) * (x.ndim - 1))
+        return jnp.where(real, x, jnp.zeros((), x.dtype))
+
+    fields = {f: clear(getattr(inputs, f)) for f in _FIELDS if f != "row_mask_B"}
+    return AdvantageInputs(**fields)
 
 
 # -------------------------------------------------------------------------------- helpers

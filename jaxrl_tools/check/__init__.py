@@ -9,7 +9,9 @@ around it: the model folder, the tokenizer, the data files line by line, prompt 
 the chat template, the tools (built, not started), the rewards' arguments, the devices against
 the mesh, the batch split, the model's positions, and whether the output folders take a file.
 Each `check_*` function checks one thing and raises `ConfigError`; none writes into a model
-folder, and a failed check leaves nothing behind.
+folder, and a failed check leaves nothing behind. What a run reads comes from its own loaders
+(`records` for prompt records and SFT traces, `setup.setup_tokenizer` for the tokenizer): the
+checks call them and word their errors, and the run never imports this package to load data.
 """
 
 from jaxrl_tools.check.inputs import (
@@ -19,9 +21,7 @@ from jaxrl_tools.check.inputs import (
     check_prompt_lengths,
     check_sft,
     check_tokenizer,
-    env_records,
-    fit_prompts,
-    open_tokenizer,
+    read_split,
     tiny_model_config,
 )
 from jaxrl_tools.check.preflight import format_summary, preflight, preflight_eval, preflight_sft
@@ -50,13 +50,11 @@ __all__ = [
     "check_tokenizer",
     "check_tools",
     "check_writable",
-    "env_records",
-    "fit_prompts",
     "format_summary",
-    "open_tokenizer",
     "preflight",
     "preflight_eval",
     "preflight_sft",
+    "read_split",
     "tiny_model_config",
     "tools_schema",
 ]

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl_tools import models, tools
+from jaxrl_tools import models, records, setup, tools
 from jaxrl_tools.check.inputs import (
     check_data,
     check_model,
@@ -18,7 +18,6 @@ from jaxrl_tools.check.inputs import (
     check_prompt_lengths,
     check_sft,
     check_tokenizer,
-    open_tokenizer,
     tiny_model_config,
 )
 from jaxrl_tools.check.setup import (
@@ -90,17 +89,10 @@ def _tool_line(tool) -> str:
     return f"{tool.name} ({type(tool).__name__})"
 
 
-def _data_line(cfg: RunConfig, records, lengths: dict, split: str) -> str:
-    d = cfg.data
-    if split not in records:
+def _data_line(cfg: RunConfig, splits: dict, lengths: dict, split: str) -> str:
+    if split not in splits:
         return "none"
-    where = (
-        f"episodes of env {cfg.env.name}"
-        if cfg.env.name is not None
-        else f"generated {d.task}"
-        if d.task is not None
-        else ", ".join(d.train_files if split == "train" else d.eval_files)
-    )
+    where = records.source(cfg).describe(cfg, split)
     info = lengths.get(split)
     if info is None:
         return f"{where}: 0 prompts"
@@ -110,7 +102,7 @@ def _data_line(cfg: RunConfig, records, lengths: dict, split: str) -> str:
     )
     if info["dropped"]:
         line += f"; {info['dropped']} longer than rollout.max_prompt_len dropped"
-    skipped = getattr(records[split], "num_skipped", 0)
+    skipped = getattr(splits[split], "num_skipped", 0)
     if skipped:
         line += f"; {skipped} bad lines skipped"
     return line
@@ -138,11 +130,11 @@ def preflight(cfg: RunConfig, *, needs_eval: bool = False) -> dict[str, Any]:
     else:
         check_positions(cfg, cfg.model.tiny.max_position_embeddings)
     tokenizer_action = check_tokenizer(cfg)
-    records = check_data(cfg, needs_eval=needs_eval)
+    splits = check_data(cfg, needs_eval=needs_eval)
     n_traces = check_sft(cfg)
     built = check_tools(cfg)
     check_rewards(cfg)
-    check_ground_truths(cfg, records)
+    check_ground_truths(cfg, splits)
     mesh_shape, n_devices, warnings = check_mesh(cfg)
     for warning in warnings:
         log.warning("%s", warning)
@@ -151,8 +143,8 @@ def preflight(cfg: RunConfig, *, needs_eval: bool = False) -> dict[str, Any]:
     check_writable(t.checkpoint_dir, "trainer.checkpoint_dir")
     check_writable(t.log_dir, "trainer.log_dir")
     # Last, the one check that may write (a tiny model's tokenizer, where train would build it).
-    tokenizer = open_tokenizer(cfg)
-    lengths = check_prompt_lengths(cfg, tokenizer, records, tools_schema(cfg, built))
+    tokenizer = setup.setup_tokenizer(cfg)
+    lengths = check_prompt_lengths(cfg, tokenizer, splits, tools_schema(cfg, built))
     if model_cfg is None:
         model_cfg = tiny_model_config(cfg, len(tokenizer))
     elif len(tokenizer) > model_cfg.vocab_size:
@@ -203,8 +195,8 @@ def preflight(cfg: RunConfig, *, needs_eval: bool = False) -> dict[str, Any]:
             f"{x.name} x {x.weight:g}" + (f" {dict(x.kwargs)}" if x.kwargs else "")
             for x in cfg.reward
         ),
-        "train data": _data_line(cfg, records, lengths, "train"),
-        "eval data": _data_line(cfg, records, lengths, "eval"),
+        "train data": _data_line(cfg, splits, lengths, "train"),
+        "eval data": _data_line(cfg, splits, lengths, "eval"),
         "sft": sft_line,
         "steps": f"{t.steps} RL steps, checkpoint every {t.checkpoint_every or t.steps} (keep "
         f"{t.keep_checkpoints}), eval every {t.eval_every or '-'}, resume "
@@ -226,10 +218,10 @@ def preflight_eval(cfg: RunConfig) -> None:
     checkpoint is found by the evaluation itself)."""
     check_model(cfg)
     check_tokenizer(cfg)
-    records = check_data(cfg, needs_eval=True, needs_train=False)
+    splits = check_data(cfg, needs_eval=True, needs_train=False)
     check_tools(cfg)
     check_rewards(cfg)
-    check_ground_truths(cfg, records)
+    check_ground_truths(cfg, splits)
 
 
 def format_summary(summary: dict[str, Any]) -> str:

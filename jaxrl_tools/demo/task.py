@@ -16,15 +16,13 @@ import os
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from jaxrl_tools.config import ConfigError, DataSection, SFTSection
-from jaxrl_tools.demo import function_calling, grid_games
+from jaxrl_tools.config import DataSection, SFTSection
+from jaxrl_tools.demo import function_calling
 from jaxrl_tools.rollout import declares_tools
 from jaxrl_tools.tools import PythonTool, get_parser
-from jaxrl_tools.tools.search import iter_passages
 
 TRACE_PROTOCOLS = ("qwen", "torl", "retool")  # protocols traces can be written in
 MAX_DIFFICULTY = 3
@@ -305,30 +303,6 @@ def task_records(data: DataSection, protocol: str, split: str) -> list[dict]:
     # Function calling declares the tool in the system turn; inline protocols need no schema.
     tools = ("python",) if declares_tools(protocol) else ()
     return [p.to_record(tools=tools) for p in make_problems(n, seed=seed, difficulty=levels)]
-
-
-CORPUS_TOKENIZER_TEXTS = 5_000  # passages of a search corpus the tokenizer reads, at most
-
-
-def tokenizer_texts(cfg) -> list[str]:
-    """Text a tiny model's tokenizer is trained on besides its own corpus: a grid game's
-    prompts and turns, the function-calling task's declarations, requests and answers, or the
-    first passages of a search tool's corpus (so that a grid, a schema or an entity's name is a
-    few tokens, which a tiny model can copy); none for the arithmetic task."""
-    if cfg.env.name is not None:
-        return grid_games.tokenizer_texts(cfg.env) if grid_games.is_grid_game(cfg.env.name) else []
-    if cfg.data.task == "function_calling":
-        return function_calling.tokenizer_texts()
-    texts: list[str] = []
-    for i, spec in enumerate(cfg.tools):
-        corpus = spec.config.get("corpus_path")
-        if corpus and Path(corpus).is_file():
-            passages = islice(iter_passages(corpus), CORPUS_TOKENIZER_TEXTS)
-            try:
-                texts += [f"{p.title} {p.text}" for _, p in passages]
-            except ValueError as e:  # a malformed line: file:line and what a passage needs
-                raise ConfigError(f"tools[{i}].config.corpus_path: {e}") from None
-    return texts
 
 
 def task_sft_traces(

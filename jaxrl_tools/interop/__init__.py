@@ -2,8 +2,8 @@
 
   batch      the interchange format: verl's field names and layout in a parquet file
              (``FIELDS``, ``save_batch``, ``load_batch``, ``batch_from_trajectories``, ``packed``)
-  update     ``UpdateSettings`` (each field names the verl setting it matches) and
-             ``jax_update``: one update through the trainer's own functions
+  update     ``UpdateSettings`` (the run's own algorithm and optim sections) and
+             ``jax_update``: one update through the trainer's own objective code
   reference  ``torch_update``: the same update in PyTorch with verl's formulas (imports torch
              when called; import ``jaxrl_tools.interop.reference`` explicitly)
   compare    per-stage differences and the tolerances they are held to

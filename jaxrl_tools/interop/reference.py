@@ -53,7 +53,8 @@ def _masked_whiten(torch, x, m):
 def advantages(batch: dict[str, np.ndarray], settings: UpdateSettings):
     """verl's estimators on [B, R] tensors: (advantages, returns)."""
     torch, _ = _torch()
-    name = settings.adv_estimator
+    a = settings.algorithm
+    name = a.adv_estimator
     if name not in REFERENCE_ESTIMATORS:
         raise ConfigError(
             f"the PyTorch reference has no adv_estimator={name!r}; it has {REFERENCE_ESTIMATORS}"
@@ -62,7 +63,7 @@ def advantages(batch: dict[str, np.ndarray], settings: UpdateSettings):
     mask = torch.tensor(batch["response_mask"], dtype=torch.float32)
     if name == "gae":
         values = torch.tensor(np.asarray(batch["values"], np.float32))
-        gamma, lam = settings.gamma, settings.lam
+        gamma, lam = a.gamma, a.lam
         next_value, last_gae, out = 0.0, 0.0, []
         for t in reversed(range(rewards.shape[1])):
             delta = rewards[:, t] + gamma * next_value - values[:, t]
@@ -84,7 +85,7 @@ def advantages(batch: dict[str, np.ndarray], settings: UpdateSettings):
         mean = s.mean() if n > 1 else torch.tensor(0.0)
         if name in ("grpo", "drgrpo"):
             std = s.std() if n > 1 else torch.tensor(1.0)
-            by_std = settings.norm_adv_by_std and name == "grpo"
+            by_std = a.norm_adv_by_std and name == "grpo"
             out[rows] = (s - mean) / (std + 1e-6) if by_std else s - mean
         elif name == "rloo":
             out[rows] = s * n / (n - 1) - mean * n / (n - 1) if n > 1 else s
@@ -124,7 +125,7 @@ def torch_update(model, batch: dict[str, np.ndarray], settings: UpdateSettings) 
     """One update in PyTorch; ``model`` is updated in place (``load_model`` gives a fresh one)."""
     torch, _ = _torch()
     _, P, _ = check_batch(batch)
-    s = settings
+    s, o = settings.algorithm, settings.optim
     ids = torch.tensor(batch["input_ids"], dtype=torch.long)
     logits = model(
         input_ids=ids,
@@ -132,10 +133,10 @@ def torch_update(model, batch: dict[str, np.ndarray], settings: UpdateSettings) 
         position_ids=torch.tensor(batch["position_ids"], dtype=torch.long),
         use_cache=False,
     ).logits
-    logits = logits[:, P - 1 : -1].float() / s.temperature  # position t predicts token t + 1
+    logits = logits[:, P - 1 : -1].float() / settings.temperature  # position t predicts token t + 1
     logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, P:, None])[..., 0]
     mask = torch.tensor(batch["response_mask"], dtype=torch.float32)
-    adv, ret = advantages(batch, s)
+    adv, ret = advantages(batch, settings)
     old = (
         torch.tensor(np.asarray(batch["old_log_probs"], np.float32))
         if "old_log_probs" in batch
@@ -160,10 +161,10 @@ def torch_update(model, batch: dict[str, np.ndarray], settings: UpdateSettings) 
     loss.backward()
     named = dict(model.named_parameters())
     grads = {n: p.grad.detach().float().numpy().copy() for n, p in named.items()}
-    if s.grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+    if o.grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
     opt = torch.optim.AdamW(
-        model.parameters(), lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay
+        model.parameters(), lr=o.lr, betas=(o.b1, o.b2), eps=o.eps, weight_decay=o.weight_decay
     )
     opt.step()
     params = {n: p.detach().float().numpy().copy() for n, p in named.items()}

@@ -18,6 +18,17 @@ from jaxrl_tools.interop.compare import (
 from jaxrl_tools.interop.update import UpdateSettings, jax_update
 
 
+def _flat(settings: dict) -> dict:
+    """{"algorithm": {...}, "optim": {...}, ...} as {"algorithm.<field>": ..., ...}."""
+    out = {}
+    for k, v in settings.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{f}": x for f, x in v.items()})
+        else:
+            out[k] = v
+    return out
+
+
 def repro(
     cfg: RunConfig, batch_path: str, with_torch: bool, with_trl: bool = False
 ) -> tuple[list[str], bool]:
@@ -34,8 +45,10 @@ def repro(
     if with_trl:
         trl_grpo.check_settings(settings)  # before anything runs
     B, R = batch["responses"].shape
-    lines = [f"batch {batch_path}: {B} responses, {R} response columns", f"settings: {settings}"]
-    mine = settings.to_dict()
+    mine = _flat(settings.to_dict())
+    shown = ", ".join(f"{k}={v!r}" for k, v in mine.items())
+    lines = [f"batch {batch_path}: {B} responses, {R} response columns", f"settings: {shown}"]
+    stored = _flat(stored)
     differ = {k: v for k, v in stored.items() if k in mine and np.any(np.asarray(v) != mine[k])}
     if differ:
         lines.append(f"note: the batch was made with other settings: {differ}")
@@ -58,7 +71,7 @@ def repro(
             ours, cfg.model.path, batch, settings, tol, cfg.model.dtype
         )
     mask = batch["response_mask"]
-    mode, L = settings.loss_agg_mode, cfg.rollout.max_response_len
+    mode, L = settings.algorithm.loss_agg_mode, cfg.rollout.max_response_len
     verl_d = float(algorithms.verl_loss_denominator(mask, mode, R))
     ours_d = float(algorithms.loss_denominator(mask, mode, L))
     if verl_d != ours_d:

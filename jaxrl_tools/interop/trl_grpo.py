@@ -47,23 +47,23 @@ def _imports():
 
 def check_settings(settings: UpdateSettings) -> str:
     """TRL's ``loss_type`` for these settings, or a ConfigError naming what TRL cannot express."""
-    if settings.loss_agg_mode not in LOSS_TYPES:
+    a = settings.algorithm
+    if a.loss_agg_mode not in LOSS_TYPES:
         raise ConfigError(
-            f"repro --trl: TRL has no loss_agg_mode={settings.loss_agg_mode!r}; use one of "
+            f"repro --trl: TRL has no loss_agg_mode={a.loss_agg_mode!r}; use one of "
             f"{sorted(LOSS_TYPES)}"
         )
-    if settings.kl_coef and settings.kl_type not in ("low_var_kl", "k3"):
-        raise ConfigError(
-            f"repro --trl: TRL's KL is low_var_kl (k3), not kl_type={settings.kl_type!r}"
-        )
-    if settings.entropy_coef:
+    if a.kl_coef and a.kl_type not in ("low_var_kl", "k3"):
+        raise ConfigError(f"repro --trl: TRL's KL is low_var_kl (k3), not kl_type={a.kl_type!r}")
+    if a.entropy_coef:
         raise ConfigError("repro --trl: set entropy_coef=0 (TRL aggregates its bonus otherwise)")
-    return LOSS_TYPES[settings.loss_agg_mode]
+    return LOSS_TYPES[a.loss_agg_mode]
 
 
 def verl_over_trl(settings: UpdateSettings, num_sequences: int) -> float:
     """verl's loss / TRL's on the same batch: B for dr_grpo (see the module doc), else 1."""
-    return float(num_sequences) if settings.loss_agg_mode == "seq-mean-token-sum-norm" else 1.0
+    sum_norm = settings.algorithm.loss_agg_mode == "seq-mean-token-sum-norm"
+    return float(num_sequences) if sum_norm else 1.0
 
 
 def _tokenizer(tokenizers, transformers, vocab_size: int):
@@ -105,7 +105,8 @@ def trl_loss(
     }
     if "old_log_probs" in batch:
         inputs["old_per_token_logps"] = torch.tensor(np.asarray(batch["old_log_probs"], np.float32))
-    if settings.kl_coef:
+    a = settings.algorithm
+    if a.kl_coef:
         inputs["ref_per_token_logps"] = torch.tensor(np.asarray(batch["ref_log_prob"], np.float32))
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, dtype), attn_implementation="eager"
@@ -119,9 +120,9 @@ def trl_loss(
             num_generations=B,  # only divides the batch; groups are in the advantages
             max_completion_length=R,
             loss_type=loss_type,
-            beta=settings.kl_coef,
-            epsilon=settings.clip_eps_low,
-            epsilon_high=settings.clip_eps_high,
+            beta=a.kl_coef,
+            epsilon=a.clip_eps_low,
+            epsilon_high=a.clip_eps_high,
             temperature=settings.temperature,
             bf16=dtype == "bfloat16",  # TRL's default autocasts to bfloat16
             use_bias_correction_kl=False,  # verl's k3 is not multiplied by the ratio

@@ -1,6 +1,7 @@
 """Rollout: the decode engine (kernels, EngineCore, the JetStream adapter in `jetstream`),
-sampling, the pure stop scan, the host-side agent loop, the run's records -> trajectories
-sampler, and one-step asynchronous rollouts (`ahead`)."""
+sampling, the pure stop scan, the host-side agent loop (`scheduler`: which sample decodes in
+which slot; `resolver`: what an ended segment becomes; `loop`: the driver over the engine), the
+run's records -> trajectories sampler, and one-step asynchronous rollouts (`ahead`)."""
 
 from jaxrl_tools.rollout.ahead import AsyncRollouts
 from jaxrl_tools.rollout.engine import EngineCore

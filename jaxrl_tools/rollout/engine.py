@@ -56,6 +56,12 @@ def _cast_jit(params, dtype: str):
     return models.cast_floating(params, dtype)
 
 
+def _host_key(rng) -> Any:
+    """A PRNG key as given if it is a device array, else as a host uint32 array (passed to a
+    jitted call as it is)."""
+    return rng if isinstance(rng, jax.Array) else np.asarray(rng, np.uint32)
+
+
 # The CPU serving layout: one array per layer, and a [D, V] LM head for tied embeddings.
 _cpu_layout_jit = jax.jit(lambda params: models.untie_head(models.unstack_layers(params)))
 
@@ -382,23 +388,31 @@ class EngineCore:
         cache_len = min(next_pow2(max(start + bucket, old_len), 16), self.max_len)
         padded = np.zeros((bucket,), np.int32)
         padded[:n] = tokens
+        # (host arguments: the jitted call moves them, with no dispatch of their own)
         cache, length, logits = self._prefill_jit(
-            params, jnp.asarray(padded), jnp.int32(n), existing_prefix, cache_len
+            params, padded, np.int32(n), existing_prefix, cache_len
         )
         sp = sampling or self.default_sampling
-        key = self._next_key() if rng is None else jnp.asarray(rng)
+        key = self._next_key() if rng is None else _host_key(rng)
+        # Sampling settings stay host values: `insert` reads them without a device sync.
         return Prefix(
             cache=cache,
             length=length,
             logits=logits,
             key=key,
-            temperature=jnp.float32(sp.temperature),
-            top_k=jnp.int32(sp.top_k),
-            top_p=jnp.float32(sp.top_p),
+            temperature=np.float32(sp.temperature),
+            top_k=np.int32(sp.top_k),
+            top_p=np.float32(sp.top_p),
         )
 
     def insert(
-        self, prefix: Prefix, decode_state: DecodeState, slot: int, *, rng: jax.Array | None = None
+        self,
+        prefix: Prefix,
+        decode_state: DecodeState,
+        slot: int,
+        *,
+        rng: jax.Array | None = None,
+        seq_id: int | None = None,
     ) -> DecodeState:
         """Copies `prefix` into row `slot` and activates it (the decode state is donated).
 
@@ -407,14 +421,18 @@ class EngineCore:
           decode_state: the state (donated).
           slot: row in [0, slots).
           rng: overrides the prefix's key (to insert one prefix as several samples).
+          seq_id: the id of the sequence (its `seq` for `logits_hook`); default the slot.
+
+        Returns:
+          The new decode state.
         """
         if rng is not None:
-            prefix = prefix.replace(key=jnp.asarray(rng))
+            prefix = prefix.replace(key=_host_key(rng))
         self._slot_mode[slot] = SamplingParams(
             float(prefix.temperature), int(prefix.top_k), float(prefix.top_p)
         ).mode
-        slot = jnp.int32(slot)
-        return self._insert_jit(prefix, decode_state, slot, jnp.int32(0), slot)
+        seq = np.int32(slot if seq_id is None else seq_id)
+        return self._insert_jit(prefix, decode_state, np.int32(slot), np.int32(0), seq)
 
     def park(self, decode_state: DecodeState, slot: int, length: int) -> Parked:
         """Row `slot` copied out of the state (which is not changed) into host memory: its

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from jaxrl_tools import models, prompts
-from jaxrl_tools.config import RolloutSection
+from jaxrl_tools.rollout import jetstream
 from jaxrl_tools.rollout.engine import EngineCore
 from jaxrl_tools.rollout.kernels import next_pow2
 from jaxrl_tools.rollout.loop import RolloutLimits, run_rollouts
@@ -15,6 +15,17 @@ from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.rollout.windowed import run_windowed
 from jaxrl_tools.tools import ToolExecutor, get_parser
 from jaxrl_tools.types import Record, Tokenizer, Trajectory
+
+if TYPE_CHECKING:  # (the config's `rollout.engine` choices are this module's ENGINES)
+    from jaxrl_tools.config import RolloutSection
+
+# The engines that decode the RL loop (`rollout.engine`): `EngineCore`, or the same engine as a
+# `jetstream.engine.engine_api.Engine` (`rollout.jetstream.DecodeEngine`; the [serve] extra,
+# JetStream imported on first use).
+ENGINES: dict[str, Callable[[], type[EngineCore]]] = {
+    "core": lambda: EngineCore,
+    "jetstream": lambda: jetstream.DecodeEngine,
+}
 
 
 def declares_tools(protocol: str) -> bool:
@@ -33,13 +44,14 @@ def make_engine(
     seed: int = 0,
     dtypes: models.DTypePolicy | None = None,
 ) -> EngineCore:
-    """An engine whose slots hold a bucketed `max_prompt_len` prompt plus the response; with
-    `dtypes`, it serves the compute-dtype copy of the (master) params and caches in its dtype."""
+    """The `rollout.engine` engine (`ENGINES`), whose slots hold a bucketed `max_prompt_len`
+    prompt plus the response; with `dtypes`, it serves the compute-dtype copy of the (master)
+    params and caches in its dtype."""
     prefill = next_pow2(rollout.max_prompt_len, 16)
     dtype_kwargs = {}
     if dtypes is not None:
         dtype_kwargs = dict(dtype=dtypes.compute_dtype, cache_dtype=dtypes.cache_dtype)
-    return EngineCore(
+    return ENGINES[rollout.engine]()(
         model_cfg,
         params,
         slots=rollout.slots,
@@ -56,7 +68,8 @@ class Sampler:
     """Samples trajectories of prompt records with the decode engine and the tools.
 
     Args:
-      engine: an `EngineCore` over the policy's architecture.
+      engine: the decode engine over the policy's architecture (`make_engine`: an `EngineCore`,
+        or a `DecodeEngine` with `rollout.engine: jetstream`).
       tokenizer: the HF tokenizer (chat template, stop strings).
       executor: the ToolExecutor (None: no tools; the protocol is then ignored).
       settings: the rollout section (protocol, limits, sampling).

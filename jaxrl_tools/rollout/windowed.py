@@ -23,7 +23,6 @@ in one process only, which this does not guard against).
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections.abc import Callable, Sequence
 
 import jax
@@ -31,6 +30,7 @@ import jax
 from jaxrl_tools.data import DataError
 from jaxrl_tools.envs.episodes import Episodes, instructions, window_text
 from jaxrl_tools.rollout.loop import RolloutLimits, arun_rollouts
+from jaxrl_tools.rollout.resolver import step_environment
 from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.types import Span, Trajectory
 
@@ -133,38 +133,7 @@ async def arun_windowed(
             sampling=sampling,
             rng=jax.random.fold_in(key, k),
         )
-        steps, texts = [], []
-        for e, turn in zip(live, turns, strict=True):
-            turn.prompt_index, turn.sample_index = e.traj.prompt_index, e.traj.sample_index
-            if not e.traj.prompt_ids:
-                e.traj.prompt_ids = list(turn.prompt_ids)
-            e.add_turn(turn)
-            ended = turn.finish_reason == "eos"
-            # The environment gets the turn's text without its end token.
-            texts.append(tokenizer.decode(turn.response_ids[:-1], skip_special_tokens=False))
-            steps.append(_step(e.env, texts[-1]) if ended else None)
-        results = await asyncio.gather(*(s for s in steps if s is not None))
-        it = iter(results)
-        still = []
-        for e, turn, step, text in zip(live, turns, steps, texts, strict=True):
-            if step is None:
-                e.traj.finish_reason = turn.finish_reason
-                done.append(e.traj)
-                continue
-            res = next(it)
-            observation, reward, is_done = res
-            info = getattr(res, "info", {})
-            e.traj.env_rewards.append(float(reward))
-            e.traj.env_states.append(info.get("anchor_state"))
-            e.traj.env_success = bool(info.get("success"))
-            if is_done:
-                e.traj.finish_reason = "done"
-                done.append(e.traj)
-                continue
-            e.earlier.append((e.observation, text))
-            e.observation = observation
-            still.append(e)
-        live = still
+        live = await _step_episodes(live, turns, tokenizer, done)
     for t in done:
         t.response_text = "\n".join(turn.response_text for turn in t.turns)
         t.model_text = "\n".join(turn.model_text for turn in t.turns)
@@ -172,9 +141,38 @@ async def arun_windowed(
     return done
 
 
-async def _step(env, text: str):
-    res = env.step(text)
-    return (await res) if inspect.isawaitable(res) else res
+async def _step_episodes(
+    live: list[_Episode], turns: list[Trajectory], tokenizer, done: list[Trajectory]
+) -> list[_Episode]:
+    """Adds each episode's turn and steps its environment with the turn's text (concurrently);
+    an episode whose turn did not end with the end token, or whose environment is done, goes
+    to `done`. Returns the episodes that go on."""
+    steps, texts = [], []
+    for e, turn in zip(live, turns, strict=True):
+        turn.prompt_index, turn.sample_index = e.traj.prompt_index, e.traj.sample_index
+        if not e.traj.prompt_ids:
+            e.traj.prompt_ids = list(turn.prompt_ids)
+        e.add_turn(turn)
+        ended = turn.finish_reason == "eos"
+        # The environment gets the turn's text without its end token.
+        texts.append(tokenizer.decode(turn.response_ids[:-1], skip_special_tokens=False))
+        steps.append(step_environment(e.env, texts[-1], e.traj) if ended else None)
+    results = iter(await asyncio.gather(*(s for s in steps if s is not None)))
+    still = []
+    for e, turn, step, text in zip(live, turns, steps, texts, strict=True):
+        if step is None:
+            e.traj.finish_reason = turn.finish_reason
+            done.append(e.traj)
+            continue
+        observation, _, is_done = next(results)  # (recorded in e.traj by step_environment)
+        if is_done:
+            e.traj.finish_reason = "done"
+            done.append(e.traj)
+            continue
+        e.earlier.append((e.observation, text))
+        e.observation = observation
+        still.append(e)
+    return still
 
 
 def _window_ids(e: _Episode, k: int, encode, max_prompt_len: int) -> list[int]:

@@ -73,16 +73,14 @@ def make_lora_update(
     *,
     denoms_fn: Callable,
 ) -> Callable:
-    """`(state, batch_M, base) -> (state, metrics)`: `make_update` over the adapters.
+    """`(state, batch_M, base, key) -> (state, metrics)`: `make_update` over the adapters.
 
     `loss_fn(params, micro_batch, denoms)` is the full model's loss; it receives the
     `models.LoraParams` of `base` and the adapters. Adapter dropout (`lora.dropout` > 0) draws
-    its masks from the state's key, folded with the step and the micro-batch.
+    its masks from `key` (the RL step's, one per update), folded with the micro-batch.
     """
 
-    def update(state, batch_M, base):
-        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-
+    def update(state, batch_M, base, key):
         def loss(adapters, mb, denom):
             # The micro-batch scan gives no index: the micro-batch's tokens tell them apart.
             k = jax.random.fold_in(key, jnp.sum(mb["tokens"])) if lora.dropout > 0 else None

@@ -1,4 +1,5 @@
-"""Run metrics: a jsonl file, TensorBoard, a console progress bar, and a PNG plot at the end."""
+"""Run metrics: a jsonl file, TensorBoard, a console progress bar, and a PNG plot at the end;
+summaries written as JSON."""
 
 import json
 import math
@@ -25,6 +26,20 @@ PLOT_KEYS = (
     "actor/kl",
     "actor/grad_norm",
 )
+
+
+def public(metrics: Mapping) -> dict:
+    """The metrics without the private ones (keys starting with "_")."""
+    return {k: v for k, v in metrics.items() if not k.startswith("_")}
+
+
+def write_json(path: Path, obj) -> None:
+    """Writes `obj` as JSON (process 0 only: in a multi-process job every process has it)."""
+    if not is_main_process():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    default = lambda x: x.tolist() if isinstance(x, np.generic | np.ndarray) else str(x)
+    path.write_text(json.dumps(obj, indent=2, default=default))
 
 
 def _scalar(value) -> float | None:

@@ -20,6 +20,7 @@ from jaxrl_tools.train import policy
 
 
 def policy_loss_config(a: AlgorithmSection, max_response_len: int) -> algorithms.PolicyLossConfig:
+    """The policy loss's settings of `a` (KL in the loss only when not folded into rewards)."""
     return algorithms.PolicyLossConfig(
         clip_eps_low=a.clip_eps_low,
         clip_eps_high=a.clip_eps_high,
@@ -29,7 +30,7 @@ def policy_loss_config(a: AlgorithmSection, max_response_len: int) -> algorithms
         entropy_coef=a.entropy_coef,
         loss_agg_mode=a.loss_agg_mode,
         max_len=max_response_len,
-        ratio_type="sequence" if a.policy_loss == "gspo" else "token",
+        ratio_type=algorithms.policy_loss_ratio_type(a.policy_loss),
         tis_cap=a.tis_cap,
     )
 
@@ -37,6 +38,7 @@ def policy_loss_config(a: AlgorithmSection, max_response_len: int) -> algorithms
 def advantage_config(
     a: AlgorithmSection, critic: CriticSection, group_size: int
 ) -> algorithms.AdvantageConfig:
+    """The estimators' settings of `a` (KL folded into rewards only with `kl_in_reward`)."""
     return algorithms.AdvantageConfig(
         group_size=group_size,
         norm_by_std=a.norm_adv_by_std,
@@ -91,7 +93,7 @@ def actor_loss(
     attention: str = "auto",
     packed: bool = False,
 ) -> tuple[jax.Array, dict]:
-    """The policy loss (PPO clip / GSPO, KL, entropy) plus VAPO's NLL on correct responses."""
+    """`actor_objective` on the policy's own log-probs and entropies of the micro-batch."""
     logp, ent = sequence_logprobs(
         model_cfg,
         temperature,
@@ -102,6 +104,32 @@ def actor_loss(
         attention=attention,
         packed=packed,
     )
+    return actor_objective(pcfg, nll_coef, logp, ent, mb, denom, packed=packed)
+
+
+def actor_objective(
+    pcfg: algorithms.PolicyLossConfig,
+    nll_coef: float,
+    logp: jax.Array,
+    ent: jax.Array,
+    mb: dict,
+    denom: jax.Array,
+    *,
+    packed: bool = False,
+) -> tuple[jax.Array, dict]:
+    """The policy loss (PPO clip / GSPO, KL, entropy) plus VAPO's NLL on correct responses.
+
+    Args:
+      pcfg: the policy loss's settings (`policy_loss_config`).
+      nll_coef: VAPO's weight of the NLL of correct responses (0: none).
+      logp, ent: [B, T] the policy's log-probs and entropies of `mb`'s tokens.
+      mb: the micro-batch (module docstring); without "old_logp" the update is on-policy.
+      denom: the whole mini-batch's denominator (`actor_denominator`).
+      packed: rows hold several sequences ("attention" holds their segment ids).
+
+    Returns:
+      (loss, metrics).
+    """
     segments = mb["attention"] if packed else None
     # One update per rollout batch: the policy is still the behaviour one, and its own
     # log-probs (no gradient) are the old ones; this saves a forward pass.

@@ -25,6 +25,7 @@ def evaluate(
     temperature: float = 0.0,
     batch_size: int = 32,
     seed: int = 0,
+    step: int | None = None,
 ) -> dict:
     """Accuracy (by the reward's answer checker), pass@G, tool use and reward on `records`.
 
@@ -37,6 +38,7 @@ def evaluate(
       temperature: 0 = greedy.
       batch_size: prompts per sampler call.
       seed: base seed of the sampler calls.
+      step: the RL step the rewards score at (rewards scheduled over training read it).
     """
     g = group_size
     trajs = []
@@ -45,7 +47,7 @@ def evaluate(
             records[i : i + batch_size], g, params, temperature=temperature, seed=seed + i
         )
     gts = [records[i // g].get("ground_truth") for i in range(len(trajs))]
-    scores, parts = score_trajectories(reward, records, trajs, g)
+    scores, parts = score_trajectories(reward, records, trajs, g, step)
     metrics = rollout_metrics(trajs, scores, parts, group_size=g)
     metrics["num_problems"] = len(records)
     kind = reward.correctness

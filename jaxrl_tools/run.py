@@ -17,10 +17,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl_tools import algorithms, check, models, plan, records, sharding
+from jaxrl_tools import check, models, plan, records, sharding
 from jaxrl_tools.config import RunConfig
 from jaxrl_tools.eval import evaluate
-from jaxrl_tools.rollout import AsyncRollouts, Sampler, make_engine
+from jaxrl_tools.rollout import Sampler, make_engine
 from jaxrl_tools.setup import (
     close_episodes,
     close_tools,
@@ -37,11 +37,9 @@ from jaxrl_tools.setup import (
 )
 from jaxrl_tools.step_config import rl_setup
 from jaxrl_tools.tools import ToolExecutor
-from jaxrl_tools.train import sft
-from jaxrl_tools.train.batch import collect_batch
+from jaxrl_tools.train import rl_loop, sft
 from jaxrl_tools.train.metrics import MetricsLogger, public, write_json
-from jaxrl_tools.train.rl import NonFiniteUpdate, RLTrainer
-from jaxrl_tools.train.signals import RunInterrupted, StopOnSignal
+from jaxrl_tools.train.rl import RLTrainer
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +89,7 @@ def make_trainer(cfg: RunConfig, model_cfg, params, mesh=None) -> RLTrainer:
     )
 
 
-def run_eval(cfg: RunConfig, sampler: Sampler, params, evals, reward) -> dict:
+def run_eval(cfg: RunConfig, sampler: Sampler, params, evals, reward, step: int = 0) -> dict:
     r = cfg.rollout
     return evaluate(
         sampler,
@@ -102,6 +100,7 @@ def run_eval(cfg: RunConfig, sampler: Sampler, params, evals, reward) -> dict:
         temperature=r.eval_temperature,
         batch_size=cfg.data.eval_batch_size,
         seed=cfg.trainer.seed,
+        step=step,
     )
 
 
@@ -168,7 +167,7 @@ def train(
     plan.check_fits(cfg, mesh)  # on an accelerator: refuse a run that cannot fit, first
     ckpt, resuming = run_checkpoints(t)  # locked now: a second run on the folder is refused
     summary: dict[str, Any] = {"run_name": t.run_name}
-    tools, episodes, logger, ahead = [], None, None, None
+    tools, episodes, logger = [], None, None
     try:
         tokenizer = setup_tokenizer(cfg)
         model_cfg, params = setup_model(cfg, tokenizer, mesh)
@@ -201,83 +200,30 @@ def train(
             start, state, extras = ckpt.restore(trainer.checkpoint_state())
             trainer.load_checkpoint_state(state)
             loader.set_state(extras["data"])
-            sampler.calls = extras["rollout_calls"]
+            sampler.set_state(extras["sampler"])
             log.info("resumed from step %d of %s", start, ckpt.directory)
         # After the restore: it may fall back to an older step (the log is cut there).
         logger = MetricsLogger(run_dir, total_steps=t.steps, desc=t.run_name, start_step=start)
-        metrics: dict = {}
-        group_size, pad_id = cfg.rollout.group_size, tokenizer.pad_token_id or 0
-        # ReMax's baseline: a greedy rollout per prompt, when the estimator reads one.
-        greedy = "baseline_B" in algorithms.estimator_inputs(cfg.algorithm.adv_estimator)
-
-        def rollout(step: int, params) -> tuple[Any, float]:
-            """Step `step`'s batch, sampled with `params`, and the time it took."""
-            reward.step = step  # for rewards scheduled over training (ToolRL's scale)
-            t0 = time.perf_counter()
-            sampler.take_metrics()  # (drops an evaluation's)
-            # DAPO dynamic sampling draws more prompts (rounds) until the batch is full.
-            batch = collect_batch(
-                lambda: next(loader),
-                lambda recs, g, **kw: sampler(recs, g, params, **kw),
-                reward, cfg.algorithm.filters,
-                group_size=group_size, rows=cfg.data.batch_size * group_size, pad_id=pad_id,
-                greedy_baseline=greedy, turn_rows=trainer.rows,
-            )  # fmt: skip
-            batch.metrics.update(sampler.take_metrics())
-            return batch, time.perf_counter() - t0
-
-        ahead = AsyncRollouts(rollout) if t.async_rollouts else None
-        with StopOnSignal() as stop:
-            for step in range(start + 1, t.steps + 1):
-                t0 = time.perf_counter()
-                if ahead is not None and ahead.pending:
-                    (batch, rollout_s), staleness = ahead.result(), 1
-                else:
-                    (batch, rollout_s), staleness = rollout(step, trainer.params), 0
-                wait_s = time.perf_counter() - t0
-                streams = None  # with a batch sampled ahead: the data and sampler streams before it
-                if ahead is not None and step < t.steps and stop.signum is None:
-                    streams = {"data": loader.get_state(), "rollout_calls": sampler.calls}
-                    # The next batch, sampled with the weights before this update.
-                    ahead.start(step + 1, sampler.engine.serving_copy(trainer.params))
-                metrics = trainer.step(batch)
-                if diverged := trainer.diverged(metrics):  # nothing of this step is saved
-                    logger.log(step, metrics)
-                    ckpt.wait()
-                    raise NonFiniteUpdate(step, diverged, ckpt.latest_step(), str(ckpt.directory))
-                metrics["time/rollout_s"] = rollout_s
-                n_tokens = batch.metrics["rollout/tokens"]
-                metrics["throughput/rollout_tokens_per_s"] = n_tokens / max(rollout_s, 1e-9)
-                if ahead is not None:
-                    metrics["async/staleness"] = float(staleness)
-                    metrics["async/rollout_wait_s"] = wait_s
-                metrics["time/step_s"] = time.perf_counter() - t0
-                if t.eval_every and step % t.eval_every == 0 and step != t.steps:
-                    if ahead is not None:
-                        ahead.wait()  # one engine: the batch sampled ahead finishes first
-                    ev = run_eval(cfg, sampler, trainer.params, evals, reward)
-                    metrics.update({f"eval/{k}": v for k, v in public(ev).items()})
-                if step % t.log_every == 0 or step == t.steps:
-                    logger.log(step, metrics)
-                # What a resumed run continues from (a batch sampled ahead is sampled again).
-                extras = streams or {"data": loader.get_state(), "rollout_calls": sampler.calls}
-                extras["metrics"] = public(metrics)
-                last = step == t.steps or stop.signum is not None
-                if ckpt.save(step, trainer.checkpoint_state(), extras, force=last):
-                    logger.flush()  # what the checkpoint covers is on disk too
-                if stop.signum is not None and step != t.steps:
-                    ckpt.wait()
-                    raise RunInterrupted(step, stop.signum, str(ckpt.directory))
+        metrics = rl_loop.run_steps(
+            cfg,
+            trainer=trainer,
+            sampler=sampler,
+            loader=loader,
+            reward=reward,
+            ckpt=ckpt,
+            logger=logger,
+            start=start,
+            pad_id=tokenizer.pad_token_id or 0,
+            evaluate=lambda params, step: run_eval(cfg, sampler, params, evals, reward, step),
+        )
         ckpt.wait()
         summary["final_metrics"] = public(metrics)
         if evaluate_after:
-            summary["after"] = run_eval(cfg, sampler, trainer.params, evals, reward)
+            summary["after"] = run_eval(cfg, sampler, trainer.params, evals, reward, t.steps)
         summary["plot"] = str(logger.plot() or "")
         summary.update(params=trainer.params, model_config=model_cfg, tokenizer=tokenizer)
         return summary
     finally:
-        if ahead is not None:
-            ahead.close()
         if logger is not None:
             logger.close()
         ckpt.close()

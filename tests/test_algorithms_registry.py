@@ -55,6 +55,7 @@ def test_unknown_names():
 def test_name_lists():
     assert A.POLICY_LOSSES == ("ppo_clip", "gspo")
     assert [A.policy_loss_ratio_type(n) for n in A.POLICY_LOSSES] == ["token", "sequence"]
+    assert [A.policy_loss_dual_clip(n) for n in A.POLICY_LOSSES] == [3.0, None]
     assert A.LOSS_AGG_MODES == (
         "token-mean",
         "seq-mean-token-mean",

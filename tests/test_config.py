@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-from jaxrl_tools.config import ConfigError, RunConfig
+from jaxrl_tools.config import AlgorithmSection, ConfigError, RunConfig
 from jaxrl_tools.config_loader import config_from_dict, load_config, save_config
+from jaxrl_tools.train import objectives
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -101,11 +102,30 @@ def test_wrong_type_names_field(tmp_path):
         load_config(DEMO, ["tools=python"])
 
 
+def test_the_dual_clip_is_the_policy_losss_own_unless_set():
+    """PPO's clip has Ye et al.'s dual clip (c = 3); GSPO's objective has none unless asked."""
+
+    def loss_config(*overrides):
+        cfg = load_config(DEMO, ["algorithm.dual_clip_c=auto", *overrides])
+        return objectives.policy_loss_config(cfg.algorithm, cfg.rollout.max_response_len)
+
+    assert loss_config().dual_clip_c == 3.0 and loss_config().ratio_type == "token"
+    gspo = loss_config("algorithm.policy_loss=gspo")
+    assert gspo.dual_clip_c is None and gspo.ratio_type == "sequence"
+    assert loss_config("algorithm.policy_loss=gspo", "algorithm.dual_clip_c=2.5").dual_clip_c == 2.5
+    assert loss_config("algorithm.dual_clip_c=null").dual_clip_c is None
+    assert AlgorithmSection().dual_clip_c == "auto"
+
+
 @pytest.mark.parametrize(
     "override,needle",
     [
         ("algorithm.clip_eps_low=0", "algorithm.clip_eps_low must be > 0"),
         ("algorithm.dual_clip_c=1.0", "algorithm.dual_clip_c must be > 1"),
+        (
+            "algorithm.dual_clip_c=always",
+            "algorithm.dual_clip_c must be a number > 1, auto or null",
+        ),
         ("rollout.group_size=0", "rollout.group_size must be >= 1"),
         ("rollout.max_parked=-1", "rollout.max_parked must be >= 0 or null, got -1"),
         ("rollout.protocol=openai", "rollout.protocol='openai' is not one of"),

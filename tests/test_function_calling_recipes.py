@@ -17,6 +17,7 @@ from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.eval import evaluate
 from jaxrl_tools.prompts import render_prompt
 from jaxrl_tools.rewards import CompositeReward, TrajectoryInfo, get_reward
+from jaxrl_tools.train.batch import score_trajectories
 from jaxrl_tools.types import Span, Trajectory
 
 
@@ -77,11 +78,15 @@ def test_toolrl_dynamic_scale_matches_the_released_formulas():
 def test_composite_reward_scores_at_the_trainers_step():
     reward = CompositeReward([("toolrl", 1.0, {"schedule": "dynamic"})])
     bad_format = _answer(_call("get_weather", city="Paris", unit="celsius"), think=False)
-    reward.step = 150  # what the training loop sets before each step
-    totals, parts = reward.batch([bad_format], [GT])
+    traj = Trajectory(0, 0, [1], model_text=bad_format)
+    # The training loop scores each step's batch at that step (collect_batch(step=...)).
+    totals, parts = score_trajectories(reward, [{"ground_truth": GT}], [traj], 1, step=150)
     assert totals[0] == pytest.approx(-1 + 3) and parts["toolrl"][0] == totals[0]
-    assert reward(bad_format, GT) == pytest.approx(-1 + 3)
-    assert reward(bad_format, GT, TrajectoryInfo(step=0)) == pytest.approx(-2 + 2)  # own step
+    assert score_trajectories(reward, [{"ground_truth": GT}], [traj], 1)[0][0] == pytest.approx(
+        -2 + 2
+    )  # no step: scored as at step 0
+    assert reward(bad_format, GT, TrajectoryInfo(step=150)) == pytest.approx(-1 + 3)
+    assert reward(bad_format, GT, TrajectoryInfo(step=0)) == pytest.approx(-2 + 2)
     # function-calling rewards count exact calls as accuracy in evaluations
     assert reward.correctness == "tool_calls"
     assert CompositeReward([("tool_n1", 1.0, {})]).correctness == "tool_calls"

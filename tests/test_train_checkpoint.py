@@ -93,6 +93,18 @@ def test_checkpoint_of_another_tree_is_a_clear_error(tmp_path):
     ckpt.close()
 
 
+def test_a_checkpoint_from_before_the_rl_state_says_so(tmp_path):
+    """Checkpoints written before the RL state kept its step and key (the actor alone)."""
+    ckpt = Checkpointer(str(tmp_path), every=1)
+    ckpt.save(1, {"actor": trained_state(tiny())}, {"rollout_calls": 1})
+    ckpt.close()
+    ckpt = Checkpointer(str(tmp_path), every=1)
+    now = {"actor": trained_state(tiny()), "step": jnp.zeros((), jnp.int32), "rng": jnp.zeros(2)}
+    with pytest.raises(ValueError, match="older jaxrl-tools.*another trainer.checkpoint_dir"):
+        ckpt.restore(now)
+    ckpt.close()
+
+
 def test_restoring_from_an_empty_directory_is_file_not_found(tmp_path):
     ckpt = Checkpointer(str(tmp_path / "none"))
     with pytest.raises(FileNotFoundError, match="no checkpoint"):

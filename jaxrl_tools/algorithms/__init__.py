@@ -12,7 +12,8 @@ Public API:
   aggregation LossTerms, aggregate, loss_denominator, verl_loss_denominator, LOSS_AGG_MODES
   losses      ppo_clip_loss, value_loss, entropy_loss, kl_loss, log_ratio,
               truncated_is_weights
-  objective   PolicyLossConfig, policy_loss, POLICY_LOSSES, policy_loss_ratio_type
+  objective   PolicyLossConfig, policy_loss, POLICY_LOSSES, policy_loss_ratio_type,
+              policy_loss_dual_clip
   kl          kl_penalty, apply_kl_penalty, KL_TYPES
   masked      masked_sum, masked_mean, masked_var, masked_whiten
   filters     dynamic_sampling_filter, starpo_s_filter, accuracy_band_filter
@@ -76,6 +77,7 @@ from jaxrl_tools.algorithms.objective import (
     POLICY_LOSSES,
     PolicyLossConfig,
     policy_loss,
+    policy_loss_dual_clip,
     policy_loss_ratio_type,
 )
 from jaxrl_tools.algorithms.registry import (
@@ -127,6 +129,7 @@ __all__ = [
     "masked_whiten",
     "needs_critic",
     "policy_loss",
+    "policy_loss_dual_clip",
     "policy_loss_ratio_type",
     "ppo_clip_loss",
     "register_advantage_estimator",

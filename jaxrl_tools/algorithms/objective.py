@@ -3,7 +3,8 @@ loss optionally weighted by truncated importance weights against the behaviour p
 
 ``POLICY_LOSSES`` names the policy losses a run can choose (``algorithm.policy_loss``):
 ``ppo_clip`` (token ratio; PPO / GRPO / DAPO) and ``gspo`` (sequence ratio, 2507.18071);
-``policy_loss_ratio_type`` maps a name to ``PolicyLossConfig.ratio_type``. The pieces are in
+``policy_loss_ratio_type`` and ``policy_loss_dual_clip`` give a name's ratio and default dual
+clip (``PolicyLossConfig.ratio_type`` / ``dual_clip_c``). The pieces are in
 ``losses``, the aggregation modes in ``aggregation``.
 """
 
@@ -28,17 +29,40 @@ from jaxrl_tools.algorithms.losses import (
 
 f32 = jnp.float32
 
-# Policy losses by name (the run config's ``algorithm.policy_loss``) and the ratio each uses.
-_POLICY_LOSS_RATIO = {"ppo_clip": "token", "gspo": "sequence"}
-POLICY_LOSSES = tuple(_POLICY_LOSS_RATIO)
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossSpec:
+    """A policy loss: the importance ratio it clips and the dual clip it has by default."""
+
+    ratio_type: str
+    dual_clip_c: float | None
+
+
+# Policy losses by name (the run config's ``algorithm.policy_loss``). PPO's dual clip is Ye et
+# al.'s c = 3 (1912.09729; verl's clip_ratio_c); GSPO's objective (2507.18071) has none, nor has
+# verl's gspo loss: there a dual clip is the config's choice only.
+_POLICY_LOSSES = {
+    "ppo_clip": PolicyLossSpec(ratio_type="token", dual_clip_c=3.0),
+    "gspo": PolicyLossSpec(ratio_type="sequence", dual_clip_c=None),
+}
+POLICY_LOSSES = tuple(_POLICY_LOSSES)
+
+
+def _spec(name: str) -> PolicyLossSpec:
+    if name not in _POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; valid: {', '.join(POLICY_LOSSES)}")
+    return _POLICY_LOSSES[name]
 
 
 def policy_loss_ratio_type(name: str) -> str:
     """``PolicyLossConfig.ratio_type`` of policy loss ``name`` (ppo_clip -> token, gspo ->
     sequence); unknown names raise ValueError listing POLICY_LOSSES."""
-    if name not in _POLICY_LOSS_RATIO:
-        raise ValueError(f"unknown policy loss {name!r}; valid: {', '.join(POLICY_LOSSES)}")
-    return _POLICY_LOSS_RATIO[name]
+    return _spec(name).ratio_type
+
+
+def policy_loss_dual_clip(name: str) -> float | None:
+    """The dual-clip constant policy loss ``name`` has by default (ppo_clip 3.0, gspo none)."""
+    return _spec(name).dual_clip_c
 
 
 @dataclasses.dataclass(frozen=True)

@@ -147,8 +147,8 @@ def torch_update(model, batch: dict[str, np.ndarray], settings: UpdateSettings) 
     loss1 = -adv * ratio
     loss2 = -adv * torch.clamp(ratio, 1 - s.clip_eps_low, 1 + s.clip_eps_high)
     pg = torch.maximum(loss1, loss2)
-    if s.dual_clip_c is not None:
-        pg = torch.where(adv < 0, torch.minimum(-adv * s.dual_clip_c, pg), pg)
+    if s.dual_clip is not None:
+        pg = torch.where(adv < 0, torch.minimum(-adv * s.dual_clip, pg), pg)
     loss = agg_loss(torch, pg, mask, s.loss_agg_mode)
     if s.entropy_coef:
         entropy = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)

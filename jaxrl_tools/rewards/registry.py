@@ -59,7 +59,8 @@ class TrajectoryInfo:
       group_correct: correctness of every response of the group, aligned with group_num_calls.
       env_rewards: the environment's reward of each turn (multi-turn environments).
       step: the RL step being scored (1 at the first; rewards with a schedule over training,
-        e.g. ToolRL's dynamic scale); None: `CompositeReward.step`.
+        e.g. ToolRL's dynamic scale; `train.batch.score_trajectories` fills it); None: such
+        rewards score as at step 0.
       extra: anything else (per-dataset fields).
     """
 
@@ -220,9 +221,6 @@ class CompositeReward:
             raise ValueError(f"CompositeReward: duplicate reward names {names}")
         self.max_workers = max_workers
         self.executor = executor
-        # The RL step being scored, for rewards scheduled over training (the trainer sets it
-        # before each step; it fills `TrajectoryInfo.step` where that is None).
-        self.step = 0
 
     @property
     def names(self) -> list[str]:
@@ -254,7 +252,7 @@ class CompositeReward:
 
     def components(self, response: str, ground_truth: Any, info: TrajectoryInfo | None = None):
         """Unweighted value of each term, by name."""
-        info = self._at_step(info or TrajectoryInfo())
+        info = info or TrajectoryInfo()
         return {t.name: _call_term(t, response, ground_truth, info) for t in self.terms}
 
     def __call__(self, response: str, ground_truth: Any, info: TrajectoryInfo | None = None):
@@ -285,7 +283,6 @@ class CompositeReward:
         if len(ground_truths) != n or (infos is not None and len(infos) != n):
             raise ValueError("responses, ground_truths and infos must have the same length")
         infos = [i or TrajectoryInfo() for i in (infos if infos is not None else [None] * n)]
-        infos = [self._at_step(i) for i in infos]
         parts: dict[str, np.ndarray] = {}
         pool = None
         try:
@@ -320,9 +317,6 @@ class CompositeReward:
         for term in self.terms:
             totals += np.float32(term.weight) * parts[term.name]
         return totals, parts
-
-    def _at_step(self, info: TrajectoryInfo) -> TrajectoryInfo:
-        return info if info.step is not None else dataclasses.replace(info, step=self.step)
 
     @staticmethod
     def _with_group_context(term, responses, ground_truths, infos, group_ids):

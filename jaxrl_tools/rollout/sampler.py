@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from jaxrl_tools import models, prompts
+from jaxrl_tools import models, prompts, seeds
 from jaxrl_tools.rollout import jetstream
 from jaxrl_tools.rollout.engine import EngineCore
 from jaxrl_tools.rollout.kernels import next_pow2
@@ -74,7 +74,8 @@ class Sampler:
       executor: the ToolExecutor (None: no tools; the protocol is then ignored).
       settings: the rollout section (protocol, limits, sampling).
       system_prompt: an optional system turn for every prompt.
-      seed: the run seed; call k uses seed * 1_000_003 + k unless given one.
+      seed: the run seed: call k draws key k of its rollout stream (`seeds`); a call given its
+        own `seed` (evaluations) draws key `seed` of the eval stream instead.
       episodes: a multi-turn environment (`envs.Episodes`): each record's samples play the
         episode of its "env_seed" (trajectories record it as `env_seed`); the environment ends
         an episode after its `max_turns` (the loop's turn limit is one above, so the last turn
@@ -112,8 +113,15 @@ class Sampler:
             )
         function_calling = executor is not None and declares_tools(settings.protocol)
         self.tools_schema = executor.schemas() if function_calling else []
-        self.calls = 0  # checkpointed: a resumed run continues the same random streams
+        self._calls = 0  # rollout keys drawn (`state()`: a resumed run continues the stream)
         self._parks, self._in_flight = 0, 0  # the agent loop's scheduling since take_metrics
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the sampler: how far its rollout stream has been drawn."""
+        return {"calls": self._calls}
+
+    def set_state(self, state: dict) -> None:
+        self._calls = int(state["calls"])
 
     def __call__(
         self,
@@ -130,9 +138,11 @@ class Sampler:
             temperature=temp, top_k=r.top_k if temp > 0 else 0, top_p=r.top_p if temp > 0 else 1.0
         )
         if seed is None:
-            seed = self.seed * 1_000_003 + self.calls
-        self.calls += 1
-        env_factory, seeds = None, None
+            key = seeds.call_key(self.seed, "rollout", self._calls)
+            self._calls += 1
+        else:
+            key = seeds.call_key(self.seed, "eval", seed)
+        env_factory, env_seeds = None, None
         if self.episodes is not None and self.episodes.windowed:
             return run_windowed(
                 self.engine,
@@ -147,11 +157,11 @@ class Sampler:
                 num_samples=group_size,
                 limits=self.limits,
                 sampling=sampling,
-                rng=seed,
+                rng=key,
             )
         if self.episodes is not None:
-            seeds = [_env_seed(rec) for rec in records]
-            env_factory = lambda pi, g: self.episodes.start(seeds[pi])  # noqa: E731
+            env_seeds = [_env_seed(rec) for rec in records]
+            env_factory = lambda pi, g: self.episodes.start(env_seeds[pi])  # noqa: E731
         stats = {}
         trajs = run_rollouts(
             self.engine,
@@ -163,15 +173,15 @@ class Sampler:
             executor=self.executor,
             limits=self.limits,
             sampling=sampling,
-            rng=seed,
+            rng=key,
             env_factory=env_factory,
             stats=stats,
         )
         self._parks += stats["parks"]
         self._in_flight = max(self._in_flight, stats["max_in_flight"])
-        if seeds is not None:
+        if env_seeds is not None:
             for t in trajs:
-                t.env_seed = seeds[t.prompt_index]
+                t.env_seed = env_seeds[t.prompt_index]
         return trajs
 
     def take_metrics(self) -> dict[str, float]:

@@ -65,7 +65,7 @@ async def arun_windowed(
     num_samples: int = 1,
     limits: RolloutLimits | None = None,
     sampling: SamplingParams | None = None,
-    rng: int = 0,
+    rng: int | jax.Array = 0,
 ) -> list[Trajectory]:
     """`num_samples` episodes per seed, played with windowed history (inside an event loop).
 
@@ -76,7 +76,7 @@ async def arun_windowed(
       encode: a user message -> its prompt tokens through the chat template (no length check).
       max_prompt_len: the prompt's token budget (older pairs are dropped to fit).
       limits: `max_response_tokens`, `chunk_size` and `max_context_tokens` bound one turn.
-      rng: int seed; turn k's samples use fold_in(rng, k).
+      rng: a raw key (or an int seed); turn k's samples use fold_in(rng, k).
 
     Returns:
       Episode trajectories sorted by (prompt_index, sample_index), each with its `turns`.
@@ -90,7 +90,7 @@ async def arun_windowed(
         chunk_size=limits.chunk_size,
         max_context_tokens=limits.max_context_tokens,
     )
-    key = jax.random.PRNGKey(rng)
+    key = jax.random.PRNGKey(rng) if isinstance(rng, int) else rng
     live: list[_Episode] = []
     for pi, seed in enumerate(seeds):
         for g in range(num_samples):

@@ -58,8 +58,10 @@ def score_trajectories(
     records: Sequence[Record],
     trajectories: Sequence[Trajectory],
     group_size: int,
+    step: int | None = None,
 ) -> tuple[np.ndarray, dict]:
-    """(rewards_N, {term: values_N}) of trajectories, `group_size` consecutive ones per record."""
+    """(rewards_N, {term: values_N}) of trajectories, `group_size` consecutive ones per record,
+    scored at RL step `step` (rewards scheduled over training read it)."""
     infos = [
         TrajectoryInfo(
             tool_calls=t.tool_calls,
@@ -68,6 +70,7 @@ def score_trajectories(
             num_turns=1 + len(t.spans),
             response_length=len(t.response_ids),
             env_rewards=tuple(t.env_rewards),
+            step=step,
         )
         for t in trajectories
     ]
@@ -223,6 +226,7 @@ def _batch(
     pad_id: int,
     baselines: np.ndarray | None = None,
     turn_rows: int | None = None,
+    step: int | None = None,
 ) -> Batch:
     """Pads kept trajectories (G consecutive ones per group) and their per-row inputs; episodes
     with windowed history into `turn_rows` rows of turns (`_turn_batch`)."""
@@ -310,12 +314,13 @@ def make_batch(
     pad_id: int,
     baselines: np.ndarray | None = None,
     turn_rows: int | None = None,
+    step: int | None = None,
 ) -> Batch:
     """Scores trajectories (G consecutive ones per record), keeps the groups the filters keep,
     and pads them into [rows, T] arrays (windowed episodes: [turn_rows, T] rows of turns); the
-    rollout's statistics go in `Batch.metrics`. `baselines` ([len(records)], ReMax): each
-    record's greedy-rollout reward, per row."""
-    scores, parts = score_trajectories(reward, records, trajectories, group_size)
+    rollout's statistics go in `Batch.metrics`; scored at RL step `step`. `baselines`
+    ([len(records)], ReMax): each record's greedy-rollout reward, per row."""
+    scores, parts = score_trajectories(reward, records, trajectories, group_size, step)
     keep_groups = filter_groups(scores, group_size, filters)
     keep = [g * group_size + j for g in keep_groups for j in range(group_size)]
     metrics = rollout_metrics(trajectories, scores, parts, group_size=group_size)
@@ -338,11 +343,13 @@ def greedy_baselines(
     sample: Callable[..., list[Trajectory]],
     records: Sequence[Record],
     reward: CompositeReward,
+    step: int | None = None,
 ) -> np.ndarray:
     """ReMax's baseline: one greedy (temperature 0) rollout per record, scored by the run's
-    reward; [len(records)]. `sample(records, group_size, temperature=...)` is the sampler."""
+    reward at RL step `step`; [len(records)]. `sample(records, group_size, temperature=...)`
+    is the sampler."""
     trajs = sample(records, 1, temperature=0.0)
-    scores, _ = score_trajectories(reward, records, trajs, 1)
+    scores, _ = score_trajectories(reward, records, trajs, 1, step)
     return np.asarray(scores, np.float32)
 
 
@@ -357,6 +364,7 @@ def collect_batch(
     pad_id: int,
     greedy_baseline: bool = False,
     turn_rows: int | None = None,
+    step: int | None = None,
 ) -> Batch:
     """One update's batch, sampled in rounds: each round draws `next_records()` and samples
     them with `sample(records, group_size)`; kept groups accumulate until `rows // group_size`
@@ -365,8 +373,8 @@ def collect_batch(
     only then are rounds repeated; other filters keep what one round gives). Surplus groups of
     the last round are dropped; a batch still short after the last round trains on what it has.
 
-    With `greedy_baseline` (ReMax), the kept groups' records also get one greedy rollout each
-    (`greedy_baselines`), as `Batch.baseline_R`.
+    Trajectories are scored at RL step `step`. With `greedy_baseline` (ReMax), the kept groups'
+    records also get one greedy rollout each (`greedy_baselines`), as `Batch.baseline_R`.
 
     Metrics: the rollout statistics over every sampled trajectory, `filter/sampling_rounds`,
     `filter/kept_groups_frac` (kept / sampled groups) and `filter/batch_fill` (kept groups /
@@ -386,7 +394,7 @@ def collect_batch(
         trajs = sample(records, group_size)
         rounds += 1
         groups_seen += len(records)
-        scores, parts = score_trajectories(reward, records, trajs, group_size)
+        scores, parts = score_trajectories(reward, records, trajs, group_size, step)
         sampled.extend(trajs)
         all_scores.append(scores)
         for name, values in parts.items():
@@ -402,7 +410,7 @@ def collect_batch(
     metrics["rollout/tokens"] = float(sum(len(t.response_ids) for t in sampled))
     base = None
     if greedy_baseline and kept_records:
-        base = np.repeat(greedy_baselines(sample, kept_records, reward), group_size)
+        base = np.repeat(greedy_baselines(sample, kept_records, reward, step), group_size)
     scores_kept = np.concatenate(kept_scores) if kept_scores else np.zeros(0, np.float32)
     return _batch(
         kept, scores_kept, metrics, rows=rows, pad_id=pad_id, baselines=base, turn_rows=turn_rows

@@ -294,6 +294,12 @@ def _check_compatible(stored: Any, expected: Any, where: str) -> None:
     missing = sorted(set(expected_leaves) - set(stored_leaves))
     extra = sorted(set(stored_leaves) - set(expected_leaves))
     fix = "use the config of the run that wrote it, or another trainer.checkpoint_dir"
+    if not extra and {m.split(".")[0] for m in missing} == {"step", "rng"}:
+        raise CheckpointError(
+            f"checkpoint {where} was written by an older jaxrl-tools, before the RL state kept its "
+            "step and random key: resume it with the version that wrote it, or start this run "
+            "in another trainer.checkpoint_dir"
+        )
     if missing or extra:
         raise CheckpointError(
             f"checkpoint {where} does not match this run's state: missing {missing[:5]}, "

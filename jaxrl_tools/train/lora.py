@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrl_tools import models, sharding
+from jaxrl_tools import models, seeds, sharding
 from jaxrl_tools.train.state import make_update
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def place_adapters(
     """(adapters, their shardings or None): `adapters` (fresh ones when None: B = 0) in the
     master dtype, placed on `mesh` by the same logical-axis rules as their base kernels."""
     if adapters is None:
-        key = jax.random.fold_in(jax.random.key(seed), 1)  # not the train state's own key
+        key = jax.random.wrap_key_data(seeds.purpose_key(seed, "adapters"))
         adapters = models.init_lora(
             model_cfg, lora, key, dtype=dtypes.param_dtype, mesh=mesh, rules=rules
         )

@@ -24,7 +24,7 @@ def policy_loss_config(a: AlgorithmSection, max_response_len: int) -> algorithms
     return algorithms.PolicyLossConfig(
         clip_eps_low=a.clip_eps_low,
         clip_eps_high=a.clip_eps_high,
-        dual_clip_c=a.dual_clip_c,
+        dual_clip_c=a.dual_clip,
         kl_coef=a.kl_coef if a.kl_in_loss else 0.0,
         kl_type=a.kl_type,
         entropy_coef=a.entropy_coef,

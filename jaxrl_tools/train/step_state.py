@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_tools import models, sharding
+from jaxrl_tools import models, seeds, sharding
 from jaxrl_tools.models.lora import lora_shapes
 from jaxrl_tools.train import lora, policy
 from jaxrl_tools.train.state import TrainState, create_train_state, train_state_shardings
@@ -68,7 +68,7 @@ def init_trained(settings, actor_params, params, seed: int) -> RLState:
         critic=critic,
         frozen=None,
         step=jnp.zeros((), jnp.int32),
-        rng=jax.random.key_data(jax.random.key(seed)),
+        rng=seeds.purpose_key(seed, "update"),
     )
 
 

@@ -1,0 +1,28 @@
+"""`ConfigError` and the field checks every section's validation uses."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration error; the message names the field (dotted path) at fault."""
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name} {msg}")
+
+
+def _at_least(section_obj: Any, section: str, minimum: int, *fields: str) -> None:
+    for f in fields:
+        _check(getattr(section_obj, f) >= minimum, f"{section}.{f}", f"must be >= {minimum}")
+
+
+def _check_choice(value: Any, name: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        hint = difflib.get_close_matches(str(value), choices, n=1)
+        extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise ConfigError(f"{name}={value!r} is not one of {list(choices)}{extra}")

@@ -1,9 +1,10 @@
 """Per-device memory of a run's jitted functions, from compilation on abstract shapes.
 
 `plan_memory` lowers the very RL step the trainer runs (`train.step.make_rl_step` of the same
-settings: forwards, advantages, every mini-batch update) and one step of the engine's decode
-kernel on the engine's own decode state (all slots, reading whole cache rows: full occupancy),
-on `jax.ShapeDtypeStruct`s (no weights exist, nothing is allocated), and compiles them: XLA's
+settings: forwards, advantages, every mini-batch update) and one step of the very decode step the
+engine runs (`EngineCore.decode_step`, from `rollout.decode_step.make_decode_step`) on the
+engine's own decode state (all slots, reading whole cache rows: full occupancy), on
+`jax.ShapeDtypeStruct`s (no weights exist, nothing is allocated), and compiles them: XLA's
 `memory_analysis()` of each executable is the memory one device needs for its arguments, outputs
 and temporaries. On a CPU host the mesh can be simulated
 (`XLA_FLAGS=--xla_force_host_platform_device_count=8`): the figures are those of the CPU
@@ -27,7 +28,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxrl_tools import models, sharding
 from jaxrl_tools.config import AlgorithmSection, ConfigError, CriticSection, OptimSection
 from jaxrl_tools.rollout.engine import EngineCore
-from jaxrl_tools.rollout.kernels import generate_kernel
 from jaxrl_tools.step_config import run_shapes, run_step
 from jaxrl_tools.train.step import StepSettings, make_rl_step
 
@@ -101,9 +101,10 @@ def lower_decode(
     mesh=None,
     rules=None,
 ):
-    """One step of the engine's decode kernel (all slots sampling), lowered on the decode state
-    the engine itself builds (`EngineCore.init_decode_state`) and its serving copy of the weights
-    (compute dtype, sharded on the engine's mesh)."""
+    """One step of the engine's own decode step (`EngineCore.decode_step`, the object its
+    `generate_steps` calls), all slots sampling and reading whole cache rows, lowered on the
+    decode state the engine itself builds (`EngineCore.init_decode_state`) and its serving copy
+    of the weights (compute dtype, sharded on the engine's mesh)."""
     engine = EngineCore(
         model_cfg,
         slots=slots,
@@ -118,33 +119,17 @@ def lower_decode(
     )
     state = jax.eval_shape(engine.init_decode_state)
     params = models.param_shapes(model_cfg, dtypes.compute_dtype)
-    params_sh = state_sh = None
     if mesh is not None:
         params_sh = sharding.tree_shardings(
             models.logical_axes(model_cfg), mesh, rules, shapes=params
         )
         replicated = NamedSharding(mesh, PartitionSpec())
-        state_sh = jax.tree.map(lambda x: x.sharding or replicated, state)
-
-    def decode(params, st):
-        # The kernel's body with the engine's own statics, traced afresh: the jitted kernel's
-        # trace cache would keep the activation constraints of the first mesh it saw.
-        return generate_kernel.__wrapped__(
-            params,
-            st,
-            engine.hook_data,
-            num_steps=1,
-            mode="sample",
-            config=engine.config,
-            max_len=engine.max_len,
-            hook=engine.logits_hook,
-        )
-
-    jitted = jax.jit(decode, in_shardings=(params_sh, state_sh), donate_argnums=1)
-    if mesh is None:
-        return jitted.lower(params, state)
-    with sharding.use_mesh(mesh, rules):
-        return jitted.lower(params, state)
+        struct = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
+        params = jax.tree.map(struct, params, params_sh)
+        state = jax.tree.map(lambda x: struct(x, x.sharding or replicated), state)
+    return engine.decode_step.lower(
+        params, state, engine.hook_data, num_steps=1, mode="sample", attend_len=None
+    )
 
 
 def plan_memory(

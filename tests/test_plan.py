@@ -279,3 +279,40 @@ def test_the_planned_step_is_the_trained_step(monkeypatch):
     assert {"actor/is_weight_mean", "critic/loss", "packing/rows"} <= set(metrics), metrics
     assert used["lowered"] == used["called"] == [trainer.step_fn]
     assert used["lowered"][0] is used["called"][0] is step_config.run_step(cfg, mesh)
+
+
+def test_the_planned_decode_step_is_the_engines_decode_step(monkeypatch):
+    """`plan` compiles the very decode step the engine runs: one `DecodeStep` object, the
+    engine's `decode_step` (from `make_decode_step`), which its `generate_steps` calls."""
+    import numpy as np
+
+    from jaxrl_tools.rollout.decode_step import DecodeStep, make_decode_step
+    from jaxrl_tools.rollout.engine import EngineCore
+
+    used = {"lowered": [], "called": []}
+    lower, call = DecodeStep.lower, DecodeStep.__call__
+    record = lambda key, fn: lambda s, *a, **kw: used[key].append(s) or fn(s, *a, **kw)  # noqa: E731
+    monkeypatch.setattr(DecodeStep, "lower", record("lowered", lower))
+    monkeypatch.setattr(DecodeStep, "__call__", record("called", call))
+    cfg, mesh = tiny_model_config(), sharding.make_mesh((1, 1, 1))
+    figures = plan.plan_memory(
+        plan.grpo_settings(cfg),
+        mesh=mesh,
+        rows=1,
+        seq_len=16,
+        slots=4,
+        cache_len=32,
+        functions=("decode",),
+    )
+    assert figures["decode"].arguments > 0
+
+    engine = EngineCore(cfg, slots=4, max_len=32, max_prefill_length=16, mesh=mesh)
+    params = models.init_params(cfg, jax.random.key(0))
+    prefix = engine.prefill(params=params, padded_tokens=np.array([5, 6, 7]), true_length=3)
+    state = engine.insert(prefix, engine.init_decode_state(), 0)
+    state, out = engine.generate_steps(params, state, 2)
+    assert out.valid[0].all() and not out.valid[1:].any()
+    assert used["lowered"] == used["called"] == [engine.decode_step]
+    # One object per (config, cache length, hook, mesh, rules): another mesh traces its own.
+    assert engine.decode_step is make_decode_step(cfg, 32, None, mesh)
+    assert make_decode_step(cfg, 32, None, None) is not engine.decode_step

@@ -75,7 +75,7 @@ def main():
 
     # The same step (one object: make_rl_step), compiled for real arrays before any exists.
     step = make_rl_step(settings, mesh)
-    compiled = plan.lower_step(step, M * b, T).compile()
+    compiled = step.lower_shapes(M * b, T).compile()
     host_batch, _ = step_inputs(full_batch(M * b, T), settings)
     key = jax.random.key(0)
     shardings = step.state_shardings

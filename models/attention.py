@@ -22,7 +22,15 @@ Implementations (`impl`):
              only used when the caller passes `kv_lengths` (right-padded rows) and T == S; no
              packed rows (jax's API takes no segment ids).
   "pallas"   `jax.experimental.pallas.ops.tpu.flash_attention` on TPU, causal, padding and
-             packed sequences by segment ids, kv heads repeated for GQA.
+             packed sequences by segment ids, kv heads repeated for GQA; no sliding window.
+             The kernel masks causally by index (query t sees keys s <= t), so it takes only
+             self-attention (T == S) with q_pos[b, t] == t, the training forward: never the
+             queries of a KV-cache read (`kv_heads_first`), which sit at absolute positions.
+             Its sequence length must be a multiple of 128 (the kernel's blocks). Tested on CPU
+             in Pallas TPU interpret mode (`pltpu.force_tpu_interpret_mode()`: the same kernel
+             and this module's wrapper, interpreted), equal to "dense" to 1e-5 in float32, value
+             and gradient (tests/test_models_attention_pallas.py); on a TPU itself only where
+             one is present (bf16, tests/test_models_attention.py).
   "auto"     picks per call from the platform and shapes (`select_impl`).
 
 Queries whose row allows no key (padding) get an arbitrary finite output (mean of some values,
@@ -47,14 +55,24 @@ CHUNK = 512  # query and key chunk of the chunked path
 
 
 def select_impl(
-    impl: str, *, T: int, S: int, Dh: int, dtype, has_lengths: bool, packed: bool = False
+    impl: str,
+    *,
+    T: int,
+    S: int,
+    Dh: int,
+    dtype,
+    has_lengths: bool,
+    packed: bool = False,
+    window: int | None = None,
+    kv_cache: bool = False,
 ) -> str:
     """The implementation "auto" resolves to for these shapes on the default backend.
 
     GPU: cuDNN flash for bf16/fp16 causal self-attention over right-padded rows (T == S, lengths
     given, not packed, Dh <= 128 and a multiple of 8). TPU: the Pallas flash kernel for causal
-    self-attention when T is a multiple of 128 and Dh of 128. Otherwise dense while
-    T * S <= DENSE_MAX_SCORES, else chunked.
+    self-attention (T == S, not over a KV cache: `kv_cache`, keys read in the cache's layout,
+    whose queries sit at absolute positions) when T is a multiple of 128, Dh of 128 and there is
+    no sliding window. Otherwise dense while T * S <= DENSE_MAX_SCORES, else chunked.
     """
     if impl not in IMPLS:
         raise ValueError(f"attention implementation {impl!r} is not one of {list(IMPLS)}")
@@ -70,7 +88,8 @@ def select_impl(
     cudnn_ok = has_lengths and not packed and T == S and Dh <= 128 and Dh % 8 == 0
     if backend == "gpu" and half and cudnn_ok:
         return "cudnn"
-    if backend == "tpu" and T == S and T % 128 == 0 and Dh % 128 == 0:
+    pallas_ok = not kv_cache and window is None and T == S and T % 128 == 0 and Dh % 128 == 0
+    if backend == "tpu" and pallas_ok:
         return "pallas"
     return "dense" if T * S <= DENSE_MAX_SCORES else "chunked"
 
@@ -125,7 +144,15 @@ def attention(
         dtype=q_BTHD.dtype,
         has_lengths=kv_lengths_B is not None,
         packed=packed,
+        window=window,
+        kv_cache=kv_heads_first,
     )
+    if impl == "pallas" and (kv_heads_first or T != S):
+        raise ValueError(
+            "attention impl 'pallas' masks causally by index (query t sees keys s <= t): it "
+            "takes self-attention (T == S) with q_pos[b, t] == t, not queries over a KV cache; "
+            "use 'auto', 'dense' or 'chunked'"
+        )
     seg = None if not packed else segment_ids_BT.astype(jnp.int32)
     if kv_heads_first:
         if impl == "dense" and not packed:
@@ -264,11 +291,15 @@ def _chunked(q, k, v, q_pos_BT, kv_valid_BS, window, chunk, seg_BT=None):
 
 
 def _pallas_tpu(q, k, v, seg_BT, window):
-    # Imported lazily: Pallas takes seconds to import and is only useful on a TPU.
-    from jax.experimental.pallas.ops.tpu import flash_attention as fa  # noqa: PLC0415
-
+    # Self-attention with q_pos[b, t] == t (the caller's part; `attention` refuses T != S and
+    # cache reads): the kernel's causal mask is by index. Padding and packing are its segment
+    # ids (equal ids see each other): kv_valid itself is not read when packed (ids 0 on padding).
     if window is not None:
         raise ValueError("attention impl 'pallas' has no sliding window; use 'chunked'")
+    # Imported lazily: Pallas takes seconds to import and is only useful on a TPU (or in its
+    # interpret mode on CPU, the tests: `pltpu.force_tpu_interpret_mode()` around the call).
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa  # noqa: PLC0415
+
     H, K, Dh = q.shape[2], k.shape[2], q.shape[3]
     rep = functools.partial(jnp.repeat, repeats=H // K, axis=2)
     to_bhtd = lambda x: jnp.swapaxes(x, 1, 2)

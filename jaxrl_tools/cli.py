@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -140,6 +141,10 @@ def _dispatch(args, cfg) -> int | None:
     elif args.command == "serve":
         from jaxrl_tools import serve  # noqa: PLC0415  (the [serve] extra)
 
+        # Ctrl-C is how serve stops, even when started by a process that ignores or blocks
+        # SIGINT (both are inherited, and Python then never raises KeyboardInterrupt).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         try:
             server = serve.start_server(
                 cfg,

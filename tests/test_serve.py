@@ -229,15 +229,19 @@ def test_an_over_long_prompt_is_refused_not_cut(served):
     assert [t for s in decode(port, token_ids=ids) for t in s.token_ids]
 
 
-def test_ctrl_c_stops_serve_with_one_line(run_yaml, tmp_path):
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_ctrl_c_stops_serve_with_one_line(run_yaml, tmp_path, inherited):
+    """Also when started by a process that ignores SIGINT (the child inherits that)."""
     port = free_port()
     cmd = [sys.executable, "-m", "jaxrl_tools.cli", "serve", "--config", str(run_yaml)]
+    ignore = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731
     proc = subprocess.Popen(
         [*cmd, "--port", str(port)],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=ignore if inherited == "ignored" else None,
     )
     ready, out = threading.Event(), []
 

@@ -127,6 +127,11 @@ def lower_decode(
         struct = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
         params = jax.tree.map(struct, params, params_sh)
         state = jax.tree.map(lambda x: struct(x, x.sharding or replicated), state)
+        # The cache sharded as `models.init_cache` makes it (`sharding.sharded_init`):
+        # jax.eval_shape keeps no sharding of the jitted init's outputs (jax 0.10), which left
+        # the whole cache on every device here.
+        cache_sh = sharding.tree_shardings(models.cache_axes(), mesh, rules, shapes=state.cache)
+        state = state.replace(cache=jax.tree.map(struct, state.cache, cache_sh))
     return engine.decode_step.lower(
         params, state, engine.hook_data, num_steps=1, mode="sample", attend_len=None
     )

@@ -316,3 +316,36 @@ def test_the_planned_decode_step_is_the_engines_decode_step(monkeypatch):
     # One object per (config, cache length, hook, mesh, rules): another mesh traces its own.
     assert engine.decode_step is make_decode_step(cfg, 32, None, mesh)
     assert make_decode_step(cfg, 32, None, None) is not engine.decode_step
+
+
+_DECODE_ON_8 = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import jax
+from fakes import tiny_model_config
+from jaxrl_tools import models, plan, sharding
+cfg = tiny_model_config()
+mesh = sharding.make_mesh((1, 8, 1), jax.devices()[:8])
+m = plan.Memory.of(
+    plan.lower_decode(cfg, models.DTypePolicy(compute="bfloat16"), slots=8, cache_len=4096,
+                      mesh=mesh).compile()
+)
+cache = models.cache_bytes(cfg, 8, 4096, "bfloat16")
+json.dump(dict(arguments=m.arguments, aliased=m.aliased, cache=cache),
+          open(sys.argv[1] + "/report.json", "w"))
+"""
+
+
+def test_decode_plan_shards_the_kv_cache_over_the_mesh(tmp_path):
+    # The engine makes its cache sharded (`models.init_cache` on a mesh); `lower_decode` once
+    # took the cache's sharding from `jax.eval_shape`, which keeps none: every device held the
+    # whole cache in the plan (and the step's donated cache was not aliased).
+    from pathlib import Path
+
+    from fakes import run_on_8_devices
+
+    script = tmp_path / "decode.py"
+    script.write_text(_DECODE_ON_8.format(tests=str(Path(__file__).parent)))
+    r = run_on_8_devices(str(script), tmp_path, timeout=300)
+    assert r["arguments"] < r["cache"] / 8 + 2**20, r  # a slot row per device, + small state
+    assert r["aliased"] >= r["cache"] / 8, r  # the cache shard is updated in place

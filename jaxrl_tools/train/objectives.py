@@ -184,6 +184,7 @@ def token_values(
     *,
     attention: str = "auto",
     packed: bool = False,
+    remat: bool | str = False,
 ) -> jax.Array:
     """The critic's value of every token [B, T]."""
     return policy.token_values(
@@ -194,6 +195,7 @@ def token_values(
         b["attention"],
         attention=attention,
         packed=packed,
+        remat=remat,
     )
 
 
@@ -206,10 +208,14 @@ def critic_loss(
     *,
     attention: str = "auto",
     packed: bool = False,
+    remat: bool | str = False,
 ) -> tuple[jax.Array, dict]:
     """The clipped value loss on response tokens (token-mean over the mini-batch)."""
+    values = token_values(
+        model_cfg, critic_params, mb, attention=attention, packed=packed, remat=remat
+    )
     terms = algorithms.value_loss(
-        token_values(model_cfg, critic_params, mb, attention=attention, packed=packed),
+        values,
         mb["old_values"],
         mb["returns"],
         mb["loss_mask"],

@@ -110,8 +110,10 @@ def token_values(
     *,
     attention: str = "auto",
     packed: bool = False,
+    remat: bool | str = False,
 ) -> jax.Array:
-    """V_t, the value of the state in which token t is chosen, aligned to the tokens (float32)."""
+    """V_t, the value of the state in which token t is chosen, aligned to the tokens (float32).
+    `remat` recomputes each layer of the trunk in the backward pass, as the policy's does."""
     h_BTD = models.hidden_states(
         model_cfg,
         critic_params["trunk"],
@@ -121,6 +123,7 @@ def token_values(
         attention=attention,
         right_padded=True,
         packed=packed,
+        remat=remat,
     )
     head = critic_params["value_head"]
     v_BT = jnp.einsum("btd,d->bt", h_BTD.astype(jnp.float32), head["kernel"].astype(jnp.float32))

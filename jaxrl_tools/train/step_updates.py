@@ -171,6 +171,7 @@ def step_functions(settings, micro_sharding=None) -> StepFunctions:
             s.critic.value_clip_eps,
             attention=attention,
             packed=packed,
+            remat=s.remat,
         )
         critic = make_update(
             in_compute(critic_loss, s.dtypes),

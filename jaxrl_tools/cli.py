@@ -18,7 +18,7 @@ from pathlib import Path
 
 import jax
 
-from jaxrl_tools import check, configs, host, plan, run, setup, sharding, smoke
+from jaxrl_tools import check, configs, host, plan, run, setup, sharding, smoke, targets
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import load_config
 from jaxrl_tools.data import DataError
@@ -39,6 +39,8 @@ _VALUE_OPTIONS = (
     "--batch",
     "--mesh",
     "--accelerator",
+    "--topology",
+    "--hosts",
     "--memory-gib",
     "--port",
     "--host",
@@ -171,10 +173,34 @@ def _dispatch(args, cfg) -> int | None:
 
 def _plan(cfg, args) -> "plan.RunPlan":
     shape = _mesh_shape(args.mesh) if args.mesh else cfg.trainer.mesh_shape
+    accelerator = targets.ACCELERATORS.get(args.accelerator) if args.accelerator else None
+    if (args.topology or args.hosts) and accelerator is None:
+        raise ConfigError("plan: --topology and --hosts name a slice of --accelerator: add it")
+    notes = ()
+    if accelerator is not None and args.memory_gib is None:
+        # The accelerator's own compiler, without the accelerator (the [aot-tpu] / [aot-gpu]
+        # extras); else the CPU compiler's estimate, saying so.
+        toolchain = targets.toolchain(accelerator.platform)
+        why = toolchain.detail
+        if toolchain.installed:
+            targets.prepare(accelerator.platform)
+            try:
+                return plan.plan_target(
+                    cfg,
+                    accelerator.name,
+                    topology=args.topology,
+                    hosts=args.hosts,
+                    mesh_shape=shape,
+                    mesh_name="--mesh" if args.mesh else "trainer.mesh",
+                    search=True,
+                )
+            except targets.TargetUnavailable as e:
+                why = str(e)
+        notes = (f"{accelerator.compiler}: {why}; below, the CPU compiler's estimate",)
     if args.memory_gib is not None:
         hbm = int(args.memory_gib * 2**30)
-    elif args.accelerator:
-        hbm = plan.ACCELERATORS[args.accelerator]
+    elif accelerator is not None:
+        hbm = accelerator.hbm_bytes
     else:
         hbm = None
     if (
@@ -195,7 +221,15 @@ def _plan(cfg, args) -> "plan.RunPlan":
             ),
         )
     ) or sharding.make_mesh((1, 1, 1))
-    return plan.plan_run(cfg, mesh, hbm or plan.device_memory(), search=True)
+    return plan.plan_run(
+        cfg,
+        mesh,
+        hbm or plan.device_memory(),
+        search=True,
+        accelerator=accelerator if args.memory_gib is None else None,
+        compiler=None if not notes else "CPU compiler (an estimate)",
+        notes=notes,
+    )
 
 
 def _mesh_shape(text: str) -> tuple[int, int, int]:
@@ -277,7 +311,19 @@ def main(argv=None) -> int:
         "abstract shapes (no weights), whether it fits, and the largest micro-batch that does",
     )
     p.add_argument("--mesh", help="DxFxT (data x fsdp x tensor); default trainer.mesh")
-    p.add_argument("--accelerator", choices=sorted(plan.ACCELERATORS))
+    p.add_argument(
+        "--accelerator",
+        choices=sorted(targets.ACCELERATORS),
+        help="compile with this accelerator's own compiler, without it (the [aot-gpu] / "
+        "[aot-tpu] extras; else the CPU compiler's estimate), judge against its memory and "
+        "print each step's roofline floor on it",
+    )
+    p.add_argument(
+        "--topology",
+        help="the slice to compile for: a TPU's (v5p:4x4x4, v5e:2x2) or GPUs' "
+        "(PARTITIONSxHOSTSxGPUS, e.g. 1x4x8); default: the one of trainer.mesh's size",
+    )
+    p.add_argument("--hosts", type=int, help="or: this many full hosts of --accelerator")
     p.add_argument("--memory-gib", type=float, help="device memory to fit in, instead")
     p = command(
         "serve",

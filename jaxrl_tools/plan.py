@@ -10,6 +10,12 @@ and temporaries. On a CPU host the mesh can be simulated
 (`XLA_FLAGS=--xla_force_host_platform_device_count=8`): the figures are those of the CPU
 compiler's buffer assignment, an estimate of a GPU/TPU's (which fuses differently).
 
+`plan_target` compiles the same objects with the accelerator's own compiler, without the
+accelerator (`targets`: libtpu's TPU compiler, XLA:GPU given an H100's or H200's description),
+on a mesh over that target's compile-only devices: its figures are that compiler's buffer
+assignment, and each executable's HLO gives the work of one step, whose roofline floor on the
+accelerator is printed (`Floor`).
+
 `plan_run` does this for a run config (`jaxrl-tools plan`); `check` and `train` refuse a run
 whose plan does not fit an accelerator's memory (`fit_error`). The run's step comes from
 `step_config.run_step(cfg)`, the mapping `run.make_trainer` uses too: the step planned is the step
@@ -18,6 +24,7 @@ trained.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -25,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl_tools import models, sharding
+from jaxrl_tools import models, sharding, targets
 from jaxrl_tools.config import AlgorithmSection, ConfigError, CriticSection, OptimSection
 from jaxrl_tools.rollout.engine import EngineCore
 from jaxrl_tools.step_config import run_shapes, run_step
@@ -33,14 +40,8 @@ from jaxrl_tools.train.step import StepSettings, make_rl_step
 
 FUNCTIONS = ("update", "decode")  # what `plan_memory` compiles: the RL step, a decode step
 
-# Device memory of the accelerators `plan` knows, in bytes.
-ACCELERATORS = {
-    "h100-80g": 80 * 10**9,
-    "h200": 141 * 10**9,
-    "v5e": 16 * 2**30,
-    "v5p": 95 * 2**30,
-    "v6e": 32 * 2**30,
-}
+# Device memory of the accelerators `plan` knows, in bytes (`targets.ACCELERATORS` has the rest).
+ACCELERATORS = {name: a.hbm_bytes for name, a in targets.ACCELERATORS.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +138,35 @@ def lower_decode(
     )
 
 
+def compile_functions(
+    settings: StepSettings,
+    *,
+    mesh,
+    rows: int,
+    seq_len: int,
+    slots: int,
+    cache_len: int,
+    rules=None,
+    functions: tuple[str, ...] = FUNCTIONS,
+    decode_mesh=None,
+) -> dict:
+    """The RL step and a decode step compiled on abstract shapes for `mesh`'s devices (those of
+    an accelerator's compiler when they are a target's, `targets.target_devices`): {name:
+    jax.stages.Compiled}. Arguments: `plan_memory`'s."""
+    lowered = {
+        "update": lambda: make_rl_step(settings, mesh, rules).lower_shapes(rows, seq_len),
+        "decode": lambda: lower_decode(
+            settings.model,
+            settings.dtypes,
+            slots=slots,
+            cache_len=cache_len,
+            mesh=mesh if decode_mesh is None else decode_mesh,
+            rules=rules,
+        ),
+    }
+    return {name: lowered[name]().compile() for name in functions}
+
+
 def plan_memory(
     settings: StepSettings,
     *,
@@ -148,6 +178,7 @@ def plan_memory(
     rules=None,
     functions: tuple[str, ...] = FUNCTIONS,
     decode_mesh=None,
+    compiled: dict | None = None,
 ) -> dict[str, Memory]:
     """Compiles the RL step and a decode step on abstract shapes.
 
@@ -162,22 +193,60 @@ def plan_memory(
       functions: which of `FUNCTIONS` to compile.
       decode_mesh: the engine's own mesh over the same devices (`rollout.mesh`; default
         `mesh`): the decode step and its serving copy of the weights are sharded on it.
+      compiled: a dict that receives the executables ({name: jax.stages.Compiled}).
 
     Returns:
       {"update": Memory, "decode": Memory} (those of `functions`), per device.
     """
-    lowered = {
-        "update": lambda: make_rl_step(settings, mesh, rules).lower_shapes(rows, seq_len),
-        "decode": lambda: lower_decode(
-            settings.model,
-            settings.dtypes,
-            slots=slots,
-            cache_len=cache_len,
-            mesh=mesh if decode_mesh is None else decode_mesh,
-            rules=rules,
-        ),
-    }
-    return {name: Memory.of(lowered[name]().compile()) for name in functions}
+    executables = compile_functions(
+        settings,
+        mesh=mesh,
+        rows=rows,
+        seq_len=seq_len,
+        slots=slots,
+        cache_len=cache_len,
+        rules=rules,
+        functions=functions,
+        decode_mesh=decode_mesh,
+    )
+    if compiled is not None:
+        compiled.update(executables)
+    return {name: Memory.of(c) for name, c in executables.items()}
+
+
+class _BackendAs:
+    """`jax` as `models.attention` sees it while compiling for another platform: its
+    `default_backend()` is that platform's, everything else is jax's."""
+
+    def __init__(self, backend: str):
+        self._backend = backend
+
+    def default_backend(self) -> str:
+        return self._backend
+
+    def __getattr__(self, name):
+        return getattr(jax, name)
+
+
+@contextlib.contextmanager
+def attention_for(platform: str | None):
+    """Attention "auto" resolves for `platform` ("cuda", "tpu"; None: the host's) inside.
+
+    `models.attention.select_impl` picks an implementation from `jax.default_backend()`, the
+    host's (CPU here): compiling for a GPU or a TPU, it must pick what that accelerator would
+    (cuDNN flash, the Pallas kernel). Until `select_impl` takes the platform, the module's view
+    of `jax.default_backend` is the target's while the target's steps are traced."""
+    if platform is None:
+        yield
+        return
+    from jaxrl_tools.models import attention as attn_lib  # noqa: PLC0415
+
+    saved = attn_lib.jax
+    attn_lib.jax = _BackendAs("gpu" if platform == "cuda" else platform)
+    try:
+        yield
+    finally:
+        attn_lib.jax = saved
 
 
 def _device_bytes(shapes, shardings) -> int:
@@ -277,6 +346,44 @@ def describe(
 
 
 @dataclasses.dataclass(frozen=True)
+class Floor:
+    """The roofline floor of one run of a compiled function on one device of an accelerator:
+    its matmul FLOPs at the peak bf16 rate, or its HBM bytes at the peak bandwidth, whichever
+    takes longer (`targets.Accelerator.floor_s`)."""
+
+    cost: targets.Cost
+    seconds: float
+    bound: str  # "compute" or "memory"
+
+    @classmethod
+    def of(cls, cost: targets.Cost, accelerator: targets.Accelerator) -> Floor:
+        compute = cost.flops / accelerator.peak_flops
+        memory = cost.bytes / accelerator.hbm_bandwidth
+        return cls(cost, max(compute, memory), "compute" if compute >= memory else "memory")
+
+
+PER_STEP = {"update": "RL step", "decode": "decode step (one token per slot)"}
+
+
+def floors(compiled: dict, accelerator: targets.Accelerator) -> dict[str, Floor]:
+    """Each compiled function's floor per run on `accelerator`, from its optimised HLO."""
+    return {
+        name: Floor.of(targets.hlo_cost(c.as_text()), accelerator) for name, c in compiled.items()
+    }
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
+
+
+def _amount(x: float, unit: str) -> str:
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+@dataclasses.dataclass(frozen=True)
 class RunPlan:
     """A run's per-device memory and what it is compared with.
 
@@ -290,6 +397,11 @@ class RunPlan:
       largest_micro_batch: the largest power-of-two multiple of the config's data-parallel
         width that fits (None when not searched).
       rollout_mesh: the decode step's own mesh (`rollout.mesh`), or None (`mesh`).
+      compiler: the compiler whose figures these are (None: the host's, unlabelled).
+      accelerator: the accelerator judged against (floors' peak rates), or None.
+      floors: each function's roofline floor per run on `accelerator`, or None.
+      notes: lines printed first (e.g. why the CPU compiler's estimate stands in).
+      topology: the slice compiled for (a target's), or None.
     """
 
     figures: dict[str, Memory]
@@ -299,6 +411,11 @@ class RunPlan:
     micro_batch_size: int
     largest_micro_batch: int | None = None
     rollout_mesh: tuple[int, int, int] | None = None
+    compiler: str | None = None
+    accelerator: targets.Accelerator | None = None
+    floors: dict[str, Floor] | None = None
+    notes: tuple[str, ...] = ()
+    topology: str | None = None
 
     @property
     def peak(self) -> int:
@@ -315,27 +432,68 @@ class RunPlan:
             if self.rollout_mesh is None
             else f", decode on {'x'.join(map(str, self.rollout_mesh))}"
         )
-        out = [f"mesh {d}x{f}x{t} (data x fsdp x tensor){on}, per device:"]
+        out = list(self.notes)
+        if self.compiler is not None:
+            on_slice = "" if self.topology is None else f" for {self.topology}"
+            out.append(f"figures of the {self.compiler}{on_slice}:")
+        out.append(f"mesh {d}x{f}x{t} (data x fsdp x tensor){on}, per device:")
         out += ["  " + line for line in describe(self.figures, self.hbm, self.totals)]
         if self.largest_micro_batch is not None:
             out.append(
                 f"largest optim.micro_batch_size that fits: {self.largest_micro_batch} "
                 f"(configured: {self.micro_batch_size})"
             )
+        if self.floors and self.accelerator is not None:
+            a = self.accelerator
+            out.append(
+                f"roofline floor per device on {a.label} ({a.peak_flops / 1e12:,.0f} TFLOP/s "
+                f"bf16, {a.hbm_bandwidth / 1e12:.3g} TB/s HBM), of "
+                f"{'the program above' if self.compiler else 'the host compiler program'}:"
+            )
+            for name, fl in self.floors.items():
+                c = fl.cost
+                loops = f"; {c.unknown_loops} loops counted once" if c.unknown_loops else ""
+                if c.conditionals:
+                    loops += f"; {c.conditionals} conditionals at their costlier branch"
+                out.append(
+                    f"  {name:<9} {_seconds(fl.seconds)} per {PER_STEP.get(name, 'run')}, "
+                    f"{fl.bound}-bound: {_amount(c.flops, 'FLOP')}, "
+                    f"{_amount(c.bytes, 'B')} of HBM traffic{loops}"
+                )
         return out
 
 
-def plan_run(cfg, mesh, hbm: int | None = None, search: bool = False) -> RunPlan:
+def plan_run(
+    cfg,
+    mesh,
+    hbm: int | None = None,
+    search: bool = False,
+    *,
+    accelerator: targets.Accelerator | None = None,
+    compiler: str | None = None,
+    platform: str | None = None,
+    notes: tuple[str, ...] = (),
+) -> RunPlan:
     """Compiles the run's RL step and decode step on abstract shapes on `mesh` (no weights).
 
     With `search`, also finds the largest micro-batch that fits in `hbm` (one compile of the
-    step per doubling)."""
+    step per doubling). With `accelerator`, each step's roofline floor on it (from the
+    executables' HLO); `platform` ("cuda", "tpu") is what attention "auto" resolves for (the
+    mesh's devices are a target's), `compiler` labels the figures, `notes` come first."""
+    with attention_for(platform):
+        return _plan_run(cfg, mesh, hbm, search, accelerator, compiler, notes)
+
+
+def _plan_run(cfg, mesh, hbm, search, accelerator, compiler, notes) -> RunPlan:
     step = run_step(cfg, mesh)
     settings, shapes = step.settings, run_shapes(cfg)
     decode_mesh = None
     if cfg.rollout.mesh_shape is not None:  # the engine's mesh, over the same devices
         decode_mesh = sharding.make_mesh(cfg.rollout.mesh_shape, list(mesh.devices.flat))
-    figures = plan_memory(settings, mesh=mesh, decode_mesh=decode_mesh, **shapes)
+    compiled = {}
+    figures = plan_memory(settings, mesh=mesh, decode_mesh=decode_mesh, compiled=compiled, **shapes)
+    step_floors = None if accelerator is None or not compiled else floors(compiled, accelerator)
+    del compiled
     resident = resident_bytes(
         settings, mesh=mesh, lora_decode=cfg.model.lora.decode, decode_mesh=decode_mesh
     )
@@ -368,7 +526,72 @@ def plan_run(cfg, mesh, hbm: int | None = None, search: bool = False) -> RunPlan
         settings.optim.micro_batch_size,
         largest,
         cfg.rollout.mesh_shape,
+        compiler=compiler,
+        accelerator=accelerator,
+        floors=step_floors,
+        notes=tuple(notes),
     )
+
+
+def plan_target(
+    cfg,
+    accelerator: str,
+    *,
+    topology: str | None = None,
+    hosts: int | None = None,
+    mesh_shape: tuple[int, int, int] | None = None,
+    mesh_name: str = "trainer.mesh",
+    search: bool = False,
+) -> RunPlan:
+    """`plan_run` with the accelerator's own compiler, without the accelerator: the run's mesh
+    (`mesh_shape`, default trainer.mesh; rollout.mesh for decoding) over the compile-only
+    devices of `topology` (default: `hosts` full hosts, else the slice of the mesh's size, else
+    the accelerator's default slice), judged against its HBM, with each step's floor.
+
+    Raises:
+      targets.TargetUnavailable: the compiler is not installed or gives no devices.
+      ConfigError: the mesh does not multiply to the slice's device count, or the compiler
+        refuses a step (one line each).
+    """
+    a = targets.ACCELERATORS[accelerator]
+    shape = cfg.trainer.mesh_shape if mesh_shape is None else tuple(mesh_shape)
+    wanted = None if shape is None else math.prod(shape)
+    topo = targets.resolve_topology(a, topology, hosts, wanted)
+    devices = targets.target_devices(accelerator, topo)
+    if shape is None:  # trainer.mesh auto: fsdp over the whole slice
+        shape = (1, len(devices), 1)
+    if math.prod(shape) != len(devices):
+        text = "x".join(map(str, shape))
+        other = a.topology_for(math.prod(shape))
+        hint = f", or compile for {other}" if other else ""
+        raise ConfigError(
+            f"plan: {mesh_name} {text} is {math.prod(shape)} devices and {a.label} topology "
+            f"{topo} has {len(devices)}: set {mesh_name} to a shape of {len(devices)} devices"
+            f"{hint} (--topology / --hosts)"
+        )
+    mesh = sharding.make_mesh(shape, devices)
+    try:
+        result = plan_run(
+            cfg, mesh, a.hbm_bytes, search, accelerator=a, compiler=a.compiler, platform=a.platform
+        )
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the target compiler refused: one line, with the fix
+        raise ConfigError(_refusal(a, e)) from e
+    n = len(devices)
+    return dataclasses.replace(result, topology=f"{topo} ({n} device{'s' * (n > 1)})")
+
+
+def _refusal(a: targets.Accelerator, e: Exception) -> str:
+    message = " ".join(str(e).split())
+    if "Mosaic kernels cannot be automatically partitioned" in message:
+        return (
+            f"plan: the {a.compiler} cannot partition the Pallas flash-attention kernel that "
+            "model.attention auto picks on TPU (models/attention.py calls it outside a "
+            "shard_map, so a sharded TPU run would fail the same way): plan with "
+            "model.attention=chunked"
+        )
+    return f"plan: the {a.compiler} refused the run's steps: {type(e).__name__}: {message[:400]}"
 
 
 def device_memory() -> int | None:

@@ -1,0 +1,370 @@
+"""jaxrl_tools.targets and `plan --accelerator`: the accelerator registry, the deviceless
+compilers (skipped without the aot-tpu / aot-gpu extras), the HLO cost walker and the fallback
+to the CPU compiler's estimate."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from fakes import tiny_model_config
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl_tools import models, plan, sharding, targets
+from jaxrl_tools.config import ConfigError
+from jaxrl_tools.models import attention as attn_lib
+
+
+def _needs(platform: str):
+    tc = targets.toolchain(platform)
+    return pytest.mark.skipif(not tc.installed, reason=tc.detail)
+
+
+# ------------------------------------------------------------------------------ the registry
+
+
+def test_registry_figures_are_the_published_ones_with_their_source():
+    acc = targets.ACCELERATORS
+    assert set(acc) == {"h100-80g", "h200", "v5e", "v5p", "v6e"}
+    assert {a.platform for a in acc.values()} == {"cuda", "tpu"}
+    for a in acc.values():
+        assert a.hbm_bytes > 10 * 2**30 and a.peak_flops > 1e14 and a.hbm_bandwidth > 5e11
+        # the ridge point (FLOPs per HBM byte) of every one of these parts is 160-600
+        assert 150 < a.peak_flops / a.hbm_bandwidth < 600, a.name
+        vendor = "NVIDIA" if a.platform == "cuda" else "Google Cloud TPU"
+        assert vendor in a.source and a.source.count(",") >= 2
+        assert plan.ACCELERATORS[a.name] == a.hbm_bytes  # one table
+        n = targets.topology_devices(a.default_topology)
+        assert a.topology_for(n) == a.default_topology
+    assert acc["h100-80g"].hbm_bytes == 80 * 10**9 and acc["h200"].hbm_bandwidth == 4.8e12
+    assert acc["v5p"].peak_flops == 459e12 and acc["v6e"].hbm_bytes == 32 * 2**30
+    assert acc["h100-80g"].compiler == "XLA:GPU (deviceless, H100 80GB)"
+    assert acc["v5p"].compiler == "TPU compiler (v5p)"
+
+
+def test_topologies_of_a_mesh_size_and_of_hosts():
+    h100, v5p, v5e = (targets.ACCELERATORS[n] for n in ("h100-80g", "v5p", "v5e"))
+    assert h100.topology_for(8) == "1x1x8" and h100.topology_for(32) == "1x4x8"
+    assert h100.topology_for(2) == "1x1x2" and h100.topology_for(12) is None
+    assert v5p.topology_for(64) == "v5p:4x4x4" and v5p.topology_for(12) is None
+    assert v5e.topology_for(16) == "v5e:4x4"
+    assert targets.resolve_topology(v5p, "4x4x4", None, 32) == "v5p:4x4x4"  # as given
+    assert targets.resolve_topology(v5p, None, 16, None) == "v5p:4x4x4"  # 16 hosts of 4
+    assert targets.resolve_topology(h100, None, 4, None) == "1x4x8"
+    assert targets.resolve_topology(h100, None, None, 32) == "1x4x8"  # the mesh's size
+    assert targets.resolve_topology(v5e, None, None, None) == "v5e:2x2"  # the default
+    with pytest.raises(targets.TargetUnavailable, match="--topology"):
+        targets.resolve_topology(v5p, None, 3, None)
+
+
+def test_gpu_target_configs_describe_the_parts():
+    for name, bandwidth, description in (
+        ("h100-80g", 3350000000000, "NVIDIA H100 80GB HBM3"),
+        ("h200", 4800000000000, "NVIDIA H200"),
+    ):
+        text = targets.gpu_target_config(name)
+        a = targets.ACCELERATORS[name]
+        for field in (
+            "core_count: 132",
+            "fpus_per_core: 128",
+            "clock_rate_ghz: 1.98",
+            f"memory_bandwidth: {bandwidth}",
+            f"device_memory_size: {a.hbm_bytes}",
+            "l2_cache_size: 52428800",
+            "shared_memory_per_core: 233472",
+            "major: 9\n    minor: 0",
+            'platform_name: "CUDA"',
+            f'device_description_str: "{description}"',
+        ):
+            assert field in text, (name, field)
+        assert text.count("{") == text.count("}")
+    with pytest.raises(ValueError, match="not a GPU"):
+        targets.gpu_target_config("v5p")
+
+
+def test_toolchain_says_how_to_install_what_is_missing(monkeypatch):
+    monkeypatch.setattr(targets.importlib.util, "find_spec", lambda name: None)
+    tpu, gpu = targets.toolchain("tpu"), targets.toolchain("cuda")
+    assert not tpu.installed and "pip install 'jaxrl-tools[aot-tpu]'" in tpu.detail
+    assert not gpu.installed and "pip install 'jaxrl-tools[aot-gpu]'" in gpu.detail
+    with pytest.raises(targets.TargetUnavailable, match=r"aot-tpu"):
+        targets.target_devices("v5e")
+
+
+# ------------------------------------------------------------------------------ HLO costs
+
+
+def _scan(x, w):
+    def body(c, wi):
+        return jnp.tanh(c @ wi), None
+
+    return jax.lax.scan(body, x, w)[0]
+
+
+def test_hlo_cost_counts_each_loop_iteration_that_xla_counts_once():
+    x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((6, 512, 512), jnp.bfloat16)
+    compiled = jax.jit(_scan).lower(x, w).compile()
+    one = 2 * 256 * 512 * 512
+    cost = targets.hlo_cost(compiled.as_text())
+    assert cost.flops == 6 * one and cost.unknown_loops == 0
+    # XLA's own analysis counts the body once: the reason `plan` walks the HLO itself.
+    assert compiled.cost_analysis()["flops"] < 1.1 * one
+    # Each iteration reads its layer's slice of w, not all of w: about w once in all.
+    assert 6 * 512 * 512 * 2 <= cost.bytes < 40 * 6 * 512 * 512 * 2
+
+    # No loop: the same matmul FLOPs as XLA's (which adds the elementwise ones).
+    single = jax.jit(lambda x, w: jnp.tanh(x @ w[0])).lower(x, w).compile()
+    c1 = targets.hlo_cost(single.as_text())
+    assert c1.flops == one
+    assert one <= single.cost_analysis()["flops"] < 1.05 * one
+
+
+def test_hlo_cost_of_fusions_reads_slices_and_writes_updates(monkeypatch):
+    # dynamic-update-slice of one row into a big buffer (in place): the row is the traffic
+    big = jax.ShapeDtypeStruct((4096, 1024), jnp.float32)
+    row = jax.ShapeDtypeStruct((1, 1024), jnp.float32)
+    i = jax.ShapeDtypeStruct((), jnp.int32)
+    f = jax.jit(lambda b, r, i: jax.lax.dynamic_update_slice(b, r * 2, (i, 0)), donate_argnums=0)
+    cost = targets.hlo_cost(f.lower(big, row, i).compile().as_text())
+    assert cost.bytes < 64 * 1024 * 4, cost  # not the 16 MiB buffer
+    g = jax.jit(lambda b, i: jax.lax.dynamic_slice(b, (i, 0), (8, 1024)) * 2)
+    cost = targets.hlo_cost(g.lower(big, i).compile().as_text())
+    assert cost.bytes < 64 * 1024 * 4, cost
+
+
+def test_floor_is_the_slower_of_compute_and_memory():
+    h100 = targets.ACCELERATORS["h100-80g"]
+    fl = plan.Floor.of(targets.Cost(flops=989e12, bytes=1.0), h100)
+    assert fl.bound == "compute" and fl.seconds == pytest.approx(1.0)
+    fl = plan.Floor.of(targets.Cost(flops=1.0, bytes=6.7e12), h100)
+    assert fl.bound == "memory" and fl.seconds == pytest.approx(2.0)
+
+
+# ------------------------------------------------------------------------------ attention
+
+
+def test_attention_auto_resolves_for_the_target_platform_while_planning_for_it():
+    pick = lambda: attn_lib.select_impl(  # noqa: E731 - a training forward's attention
+        "auto", T=256, S=256, Dh=128, dtype=jnp.bfloat16, has_lengths=True
+    )
+    host = pick()
+    with plan.attention_for("cuda"):
+        assert pick() == "cudnn"
+    with plan.attention_for("tpu"):
+        assert pick() == "pallas"
+        assert attn_lib.jax.numpy is jnp  # the rest of jax is jax's
+    with plan.attention_for(None):
+        assert pick() == host
+    assert pick() == host and attn_lib.jax is jax
+
+
+_DECODE_ON_8 = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import jax
+from fakes import tiny_model_config
+from jaxrl_tools import models, plan, sharding
+cfg = tiny_model_config()
+mesh = sharding.make_mesh((1, 8, 1), jax.devices()[:8])
+m = plan.Memory.of(
+    plan.lower_decode(cfg, models.DTypePolicy(compute="bfloat16"), slots=8, cache_len=4096,
+                      mesh=mesh).compile()
+)
+cache = models.cache_bytes(cfg, 8, 4096, "bfloat16")
+json.dump(dict(arguments=m.arguments, aliased=m.aliased, cache=cache),
+          open(sys.argv[1] + "/report.json", "w"))
+"""
+
+
+def test_decode_plan_shards_the_kv_cache_over_the_mesh(tmp_path):
+    # The engine makes its cache sharded (`models.init_cache` on a mesh); `lower_decode` once
+    # took the cache's sharding from `jax.eval_shape`, which keeps none: every device held the
+    # whole cache in the plan (and the step's donated cache was not aliased).
+    from pathlib import Path
+
+    from fakes import run_on_8_devices
+
+    script = tmp_path / "decode.py"
+    script.write_text(_DECODE_ON_8.format(tests=str(Path(__file__).parent)))
+    r = run_on_8_devices(str(script), tmp_path, timeout=300)
+    assert r["arguments"] < r["cache"] / 8 + 2**20, r  # a slot row per device, + small state
+    assert r["aliased"] >= r["cache"] / 8, r  # the cache shard is updated in place
+
+
+# ------------------------------------------------------------------------------ the command
+
+
+def test_plan_without_the_toolchain_falls_back_to_the_cpu_estimate(tmp_path, capsys, monkeypatch):
+    from test_plan import _run_config
+
+    from jaxrl_tools.cli import main
+
+    monkeypatch.setattr(
+        targets, "toolchain", lambda p: targets.Toolchain(False, f"{p} missing: pip install x")
+    )
+    m = plan.Memory(arguments=1 << 20, outputs=0, temporaries=0, aliased=0)
+    monkeypatch.setattr(plan, "plan_memory", lambda s, *, functions=plan.FUNCTIONS, **kw: {
+        f: m for f in functions
+    })  # fmt: skip
+    path = _run_config(tmp_path)
+    assert main(["plan", "--config", str(path), "--accelerator", "v5p"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (
+        "TPU compiler (v5p): tpu missing: pip install x; below, the CPU compiler's estimate"
+    )
+    assert out[1] == "figures of the CPU compiler (an estimate):"
+    assert "fits in 95.00 GiB" in out[3]
+    assert main(["plan", "--config", str(path), "--topology", "v5p:2x2x1"]) == 2
+    assert "--accelerator" in capsys.readouterr().err
+
+
+def test_a_mesh_that_is_not_the_slice_is_one_line_naming_trainer_mesh(tmp_path, monkeypatch):
+    from test_plan import _run_config
+
+    from jaxrl_tools.config_loader import load_config
+
+    cfg = load_config(_run_config(tmp_path), ["trainer.mesh=1x2x1"])
+    calls = []
+    monkeypatch.setattr(
+        targets, "target_devices", lambda name, topo: calls.append(topo) or [object()] * 4
+    )
+    with pytest.raises(ConfigError, match=r"trainer.mesh 1x2x1 is 2 devices .* v5e:2x2 has 4"):
+        plan.plan_target(cfg, "v5e", topology="v5e:2x2")
+    with pytest.raises(ConfigError, match=r"or compile for 1x1x2"):
+        plan.plan_target(cfg, "h100-80g", topology="1x1x4")
+    assert calls == ["v5e:2x2", "1x1x4"]
+
+
+# ------------------------------------------------------------------------------ the compilers
+
+
+def _tiny_plan(devices, head_dim=8, attention="auto", rows=None, seq_len=128):
+    """The tiny Qwen2's RL step and decode step compiled for `devices` (fsdp over them)."""
+    cfg = dataclasses.replace(tiny_model_config(), head_dim=head_dim)
+    mesh = sharding.make_mesh((1, -1, 1), devices)
+    settings = plan.grpo_settings(
+        cfg,
+        dtypes=models.DTypePolicy(compute="bfloat16"),
+        micro_batch_size=len(devices),
+        attention=attention,
+    )
+    compiled = {}
+    figures = plan.plan_memory(
+        settings,
+        mesh=mesh,
+        rows=rows or 2 * len(devices),
+        seq_len=seq_len,
+        slots=len(devices),
+        cache_len=256,
+        compiled=compiled,
+    )
+    return cfg, figures, compiled
+
+
+def _check_tiny(cfg, figures, compiled, accelerator, n_devices):
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(models.param_shapes(cfg)))
+    # fp32 weights and AdamW moments, split over the devices (TPU tiles pad small arrays)
+    assert figures["update"].arguments >= 12 * n / n_devices
+    assert figures["update"].aliased > 0  # the state is donated
+    assert figures["decode"].arguments > 0 and all(m.peak > 0 for m in figures.values())
+    fl = plan.floors(compiled, accelerator)
+    # The update's matmul FLOPs: at least forward and backward of every weight matmul
+    # (2 + 4 per weight and token; the logits' embedding counted once), per device.
+    tokens = 2 * n_devices * 128
+    assert (
+        fl["update"].cost.flops >= 6 * (n - cfg.vocab_size * cfg.hidden_size) * tokens / n_devices
+    )
+    assert fl["update"].cost.unknown_loops == 0 and fl["decode"].cost.bytes > 0
+    assert all(f.seconds > 0 for f in fl.values())
+
+
+@pytest.mark.target_compiler
+@_needs("tpu")
+def test_tpu_compiler_plans_the_tiny_model_on_v5e_2x2():
+    devices = targets.target_devices("v5e", "v5e:2x2")
+    assert len(devices) == 4 and devices[0].device_kind.startswith("TPU v5")
+    cfg, figures, compiled = _tiny_plan(devices)
+    _check_tiny(cfg, figures, compiled, targets.ACCELERATORS["v5e"], 4)
+    assert "tpu_custom_call" not in compiled["update"].as_text()  # head_dim 8: no Pallas
+    # The same step's FLOPs as the CPU compiler's program (one device, 4x the rows each): the
+    # TPU's loops carry no trip count (read from their counters: start, step, bound) and its
+    # batched matmuls are dilated convolutions (only the taps that meet a value count).
+    _, _, on_cpu = _tiny_plan(jax.devices("cpu")[:1], rows=8)
+    tpu = targets.hlo_cost(compiled["update"].as_text()).flops
+    assert 4 * tpu == pytest.approx(targets.hlo_cost(on_cpu["update"].as_text()).flops, rel=0.02)
+    (one,) = targets.target_devices("v5e", "v5e:1x1")
+    s = NamedSharding(Mesh(np.array([one]), ("a",)), PartitionSpec())
+    x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=s)
+    w = jax.ShapeDtypeStruct((6, 512, 512), jnp.bfloat16, sharding=s)
+    cost = targets.hlo_cost(jax.jit(_scan).lower(x, w).compile().as_text())
+    assert cost.flops == 6 * 2 * 256 * 512 * 512 and cost.unknown_loops == 0
+
+
+@pytest.mark.target_compiler
+@_needs("tpu")
+def test_tpu_auto_attention_is_the_pallas_kernel_which_a_sharded_mesh_cannot_partition():
+    # One chip: "auto" is the Pallas flash kernel on TPU (head_dim 128, T % 128 == 0).
+    (one,) = targets.target_devices("v5e", "v5e:1x1")
+    with plan.attention_for("tpu"):
+        _, _, compiled = _tiny_plan([one], head_dim=128)
+    assert "tpu_custom_call" in compiled["update"].as_text()
+    # Four chips: the kernel is called outside a shard_map (models/attention.py), which the
+    # TPU compiler's partitioner refuses; `plan_target` says so on one line.
+    devices = targets.target_devices("v5e", "v5e:2x2")
+    with plan.attention_for("tpu"), pytest.raises(Exception, match="Mosaic kernels cannot"):
+        _tiny_plan(devices, head_dim=128)
+    with plan.attention_for("tpu"):
+        _tiny_plan(devices, head_dim=128, attention="chunked")  # compiles
+
+
+@pytest.mark.target_compiler
+@_needs("cuda")
+def test_xla_gpu_plans_the_tiny_model_on_8_h100s_with_cudnn_attention():
+    targets.prepare("cuda")
+    devices = targets.target_devices("h100-80g", "1x1x8")
+    assert len(devices) == 8 and devices[0].device_kind == "NVIDIA H100 80GB HBM3"
+    cfg, figures, compiled = _tiny_plan(devices)
+    _check_tiny(cfg, figures, compiled, targets.ACCELERATORS["h100-80g"], 8)
+    # "auto" resolved for the GPU: cuDNN flash attention in the update (bf16, head_dim 128)
+    with plan.attention_for("cuda"):
+        _, _, compiled = _tiny_plan(devices, head_dim=128)
+    assert "__cudnn$fmha" in compiled["update"].as_text()
+    cost = targets.hlo_cost(compiled["update"].as_text())
+    assert cost.flops > 0 and cost.unknown_loops == 0
+
+
+@pytest.mark.target_compiler
+@_needs("cuda")
+def test_hlo_cost_counts_cublas_gemms_of_a_gpu_program():
+    targets.prepare("cuda")
+    (device,) = targets.target_devices("h100-80g", "1x1x1")
+    s = NamedSharding(Mesh(np.array([device]), ("a",)), PartitionSpec())
+    x = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16, sharding=s)
+    w = jax.ShapeDtypeStruct((6, 1024, 1024), jnp.bfloat16, sharding=s)
+    compiled = jax.jit(_scan).lower(x, w).compile()
+    assert compiled.cost_analysis() is None  # XLA:GPU's deviceless executables have none
+    assert targets.hlo_cost(compiled.as_text()).flops == 6 * 2 * 512 * 1024 * 1024
+
+
+@pytest.mark.target_compiler
+@_needs("tpu")
+def test_plan_command_on_the_tpu_compiler(tmp_path, capsys):
+    from test_plan import _run_config
+
+    from jaxrl_tools.cli import main
+
+    path = _run_config(tmp_path)  # trainer.mesh 1x1x1: one v5e chip
+    assert main(["plan", "--config", str(path), "--accelerator", "v5e"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "figures of the TPU compiler (v5e) for v5e:1x1 (1 device):", out
+    assert "fits in 16.00 GiB" in out[2] and "fits in 16.00 GiB" in out[3]
+    assert out[-3].startswith("roofline floor per device on TPU v5e (197 TFLOP/s bf16")
+    assert out[-2].startswith("  update ") and "per RL step" in out[-2]
+    assert out[-1].startswith("  decode ") and "per decode step" in out[-1]
+    # a slice the mesh does not fill: one line naming trainer.mesh
+    assert main(["plan", "--config", str(path), "--accelerator", "v5e", "--hosts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.mesh 1x1x1 is 1 devices and TPU v5e topology v5e:2x2 has 4" in err

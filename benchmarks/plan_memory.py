@@ -71,7 +71,7 @@ def main():
             took = time.perf_counter() - t0
             on = f", decode on {args.rollout_mesh}" if args.rollout_mesh else ""
             print(f"\n{name} on mesh {shape}{on} (compiled in {took:.0f} s):")
-            for line in plan.describe(figures, plan.ACCELERATORS["h100-80g"]):
+            for line in plan.describe(figures, targets.ACCELERATORS["h100-80g"].hbm_bytes):
                 print("  " + line)
 
 

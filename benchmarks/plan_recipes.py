@@ -56,12 +56,12 @@ def main():
 
     import jax
 
-    from jaxrl_tools import plan, sharding
+    from jaxrl_tools import plan, sharding, targets
     from jaxrl_tools.config_loader import load_config
 
     root = Path(__file__).resolve().parents[1]
     tmp = Path(tempfile.mkdtemp())
-    hbm = plan.ACCELERATORS[args.hbm]
+    hbm = targets.ACCELERATORS[args.hbm].hbm_bytes
     for name in args.recipes.split(","):
         arch = RECIPES[name]
         folder = tmp / arch

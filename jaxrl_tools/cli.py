@@ -8,7 +8,6 @@ does not fit.
 """
 
 import argparse
-import dataclasses
 import logging
 import os
 import re
@@ -172,63 +171,14 @@ def _dispatch(args, cfg) -> int | None:
 
 
 def _plan(cfg, args) -> "plan.RunPlan":
-    shape = _mesh_shape(args.mesh) if args.mesh else cfg.trainer.mesh_shape
-    accelerator = targets.ACCELERATORS.get(args.accelerator) if args.accelerator else None
-    if (args.topology or args.hosts) and accelerator is None:
-        raise ConfigError("plan: --topology and --hosts name a slice of --accelerator: add it")
-    notes = ()
-    if accelerator is not None and args.memory_gib is None:
-        # The accelerator's own compiler, without the accelerator (the [aot-tpu] / [aot-gpu]
-        # extras); else the CPU compiler's estimate, saying so.
-        toolchain = targets.toolchain(accelerator.platform)
-        why = toolchain.detail
-        if toolchain.installed:
-            targets.prepare(accelerator.platform)
-            try:
-                return plan.plan_target(
-                    cfg,
-                    accelerator.name,
-                    topology=args.topology,
-                    hosts=args.hosts,
-                    mesh_shape=shape,
-                    mesh_name="--mesh" if args.mesh else "trainer.mesh",
-                    search=True,
-                )
-            except targets.TargetUnavailable as e:
-                why = str(e)
-        notes = (f"{accelerator.compiler}: {why}; below, the CPU compiler's estimate",)
-    if args.memory_gib is not None:
-        hbm = int(args.memory_gib * 2**30)
-    elif accelerator is not None:
-        hbm = accelerator.hbm_bytes
-    else:
-        hbm = None
-    if (
-        shape is not None
-        and jax.devices()[0].platform == "cpu"
-        and len(jax.devices()) < (need := shape[0] * shape[1] * shape[2])
-    ):
-        raise ConfigError(
-            f"plan: the mesh {args.mesh or cfg.trainer.mesh} needs {need} devices and this host "
-            f"has {len(jax.devices())}: run it with "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={need} (simulated CPU devices)"
-        )
-    mesh = setup.make_mesh(
-        dataclasses.replace(
-            cfg,
-            trainer=dataclasses.replace(
-                cfg.trainer, mesh="x".join(map(str, shape)) if shape else "auto"
-            ),
-        )
-    ) or sharding.make_mesh((1, 1, 1))
-    return plan.plan_run(
+    return plan.plan_command(
         cfg,
-        mesh,
-        hbm or plan.device_memory(),
-        search=True,
-        accelerator=accelerator if args.memory_gib is None else None,
-        compiler=None if not notes else "CPU compiler (an estimate)",
-        notes=notes,
+        mesh_shape=_mesh_shape(args.mesh) if args.mesh else None,
+        mesh_name="--mesh" if args.mesh else "trainer.mesh",
+        accelerator=args.accelerator,
+        topology=args.topology,
+        hosts=args.hosts,
+        memory_gib=args.memory_gib,
     )
 
 

@@ -44,6 +44,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxrl_tools.sharding import current_mesh, logical_to_spec
 
 IMPLS = ("auto", "dense", "chunked", "cudnn", "pallas")
 # Finite, so that a fully masked row stays NaN-free (its softmax is uniform).
@@ -65,8 +68,10 @@ def select_impl(
     packed: bool = False,
     window: int | None = None,
     kv_cache: bool = False,
+    platform: str | None = None,
 ) -> str:
-    """The implementation "auto" resolves to for these shapes on the default backend.
+    """The implementation "auto" resolves to for these shapes on `platform` ("gpu", "tpu",
+    "cpu"; None: `compute_platform()`, where the traced computation will run).
 
     GPU: cuDNN flash for bf16/fp16 causal self-attention over right-padded rows (T == S, lengths
     given, not packed, Dh <= 128 and a multiple of 8). TPU: the Pallas flash kernel for causal
@@ -83,7 +88,7 @@ def select_impl(
         )
     if impl != "auto":
         return impl
-    backend = jax.default_backend()
+    backend = platform or compute_platform()
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     cudnn_ok = has_lengths and not packed and T == S and Dh <= 128 and Dh % 8 == 0
     if backend == "gpu" and half and cudnn_ok:
@@ -92,6 +97,14 @@ def select_impl(
     if backend == "tpu" and pallas_ok:
         return "pallas"
     return "dense" if T * S <= DENSE_MAX_SCORES else "chunked"
+
+
+def compute_platform() -> str:
+    """The platform of the devices the traced computation is placed on: the mesh of
+    `sharding.use_mesh` (a target's compile-only devices when `plan` compiles for a GPU or TPU
+    from a CPU host), else jax's default backend."""
+    ctx = current_mesh()
+    return ctx[0].devices.flat[0].platform if ctx is not None else jax.default_backend()
 
 
 def attention(
@@ -303,12 +316,28 @@ def _pallas_tpu(q, k, v, seg_BT, window):
     H, K, Dh = q.shape[2], k.shape[2], q.shape[3]
     rep = functools.partial(jnp.repeat, repeats=H // K, axis=2)
     to_bhtd = lambda x: jnp.swapaxes(x, 1, 2)
-    out = fa.flash_attention(
-        to_bhtd(q),
-        to_bhtd(rep(k).astype(q.dtype)),
-        to_bhtd(rep(v).astype(q.dtype)),
-        segment_ids=fa.SegmentIds(q=seg_BT, kv=seg_BT),
-        causal=True,
-        sm_scale=Dh**-0.5,
-    )
-    return jnp.swapaxes(out, 1, 2).astype(v.dtype)
+
+    def kernel(q, k, v, seg):
+        out = fa.flash_attention(
+            to_bhtd(q),
+            to_bhtd(k),
+            to_bhtd(v),
+            segment_ids=fa.SegmentIds(q=seg, kv=seg),
+            causal=True,
+            sm_scale=Dh**-0.5,
+        )
+        return jnp.swapaxes(out, 1, 2)
+
+    out_dtype = v.dtype
+    k, v = rep(k).astype(q.dtype), rep(v).astype(q.dtype)
+    ctx = current_mesh()
+    if ctx is not None and ctx[0].size > 1:
+        # A Mosaic kernel cannot be partitioned by the compiler: each device runs it on its
+        # own rows and heads (whole rows: causal attention needs every earlier key).
+        mesh, rules = ctx
+        qkv = logical_to_spec(("batch", None, "heads", None), rules)
+        rows = PartitionSpec(qkv[0], None)
+        kernel = jax.shard_map(
+            kernel, mesh=mesh, in_specs=(qkv, qkv, qkv, rows), out_specs=qkv, check_vma=False
+        )
+    return kernel(q, k, v, seg_BT).astype(out_dtype)

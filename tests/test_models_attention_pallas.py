@@ -116,15 +116,64 @@ def test_pallas_refuses_a_sliding_window_and_kv_cache_queries():
         A.attention(q[:, :1], k, v, q_pos[:, :1], valid, impl="pallas")
 
 
-def test_auto_on_tpu_sends_only_training_self_attention_to_pallas(monkeypatch):
-    monkeypatch.setattr(A.jax, "default_backend", lambda: "tpu")
-    pick = functools.partial(A.select_impl, "auto", Dh=128, dtype=jnp.bfloat16, has_lengths=False)
+def test_auto_on_tpu_sends_only_training_self_attention_to_pallas():
+    pick = functools.partial(
+        A.select_impl, "auto", Dh=128, dtype=jnp.bfloat16, has_lengths=False, platform="tpu"
+    )
     assert pick(T=256, S=256) == "pallas"
     assert pick(T=256, S=256, packed=True) == "pallas"
     assert pick(T=256, S=256, window=64) == "dense"
     assert pick(T=256, S=256, kv_cache=True) == "dense"
     assert pick(T=200, S=200) == "dense"
     assert pick(T=256, S=512) == "dense"
-    assert A.select_impl("auto", T=256, S=256, Dh=64, dtype=jnp.bfloat16, has_lengths=False) == (
-        "dense"
-    )
+    assert pick(T=256, S=256, Dh=64) == "dense"
+
+
+_SHARDED = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental.pallas import tpu as pltpu
+from jaxrl_tools import sharding
+from jaxrl_tools.models import attention as A
+
+B, T, H, K, Dh = 4, 256, 4, 2, 128
+rng = np.random.default_rng(0)
+q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32)
+           for s in ((B, T, H, Dh), (B, T, K, Dh), (B, T, K, Dh)))
+seg = np.zeros((B, T), np.int32)
+for b, spans in enumerate(((256,), (100, 90), (128, 128), (7,))):
+    seg[b, : sum(spans)] = np.repeat(np.arange(1, len(spans) + 1), spans)
+seg = jnp.asarray(seg)
+q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+w = jnp.asarray(rng.normal(size=(B, T, H, Dh)), jnp.float32) * (seg > 0)[:, :, None, None]
+
+def loss(impl, q, k, v):
+    out = A.attention(q, k, v, q_pos, seg > 0, segment_ids_BT=seg, impl=impl)
+    return jnp.sum(out * w), out
+
+step = lambda impl: jax.jit(jax.value_and_grad(lambda *a: loss(impl, *a), (0, 1, 2), has_aux=True))
+(_, dense), g_dense = step("dense")(q, k, v)
+mesh = sharding.make_mesh((2, 1, 2), jax.devices()[:4])  # rows over data, heads over tensor
+with sharding.use_mesh(mesh), pltpu.force_tpu_interpret_mode():
+    lowered = step("pallas").lower(q, k, v)
+    (_, out), g = lowered.compile()(q, k, v)
+m = np.asarray(seg) > 0
+report = dict(
+    shard_map="shard_map" in lowered.as_text() or "sdy.manual_computation" in lowered.as_text(),
+    out=float(np.max(np.abs(np.asarray(out)[m] - np.asarray(dense)[m]))),
+    grads=[float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(g, g_dense)],
+)
+json.dump(report, open(sys.argv[1] + "/report.json", "w"))
+"""
+
+
+def test_pallas_on_a_mesh_runs_per_shard_and_equals_dense(tmp_path):
+    # On a mesh the kernel runs inside a shard_map (the TPU compiler cannot partition a Mosaic
+    # kernel): rows split over "data", heads over "tensor", each shard's causal attention whole.
+    from fakes import run_on_8_devices
+
+    script = tmp_path / "sharded.py"
+    script.write_text(_SHARDED)
+    r = run_on_8_devices(str(script), tmp_path, timeout=300)
+    assert r["shard_map"], r
+    assert r["out"] < TOL and max(r["grads"]) < TOL, r

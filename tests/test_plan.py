@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import pytest
 from fakes import run_on_8_devices, tiny_model_config
 
-from jaxrl_tools import models, plan, sharding
+from jaxrl_tools import models, plan, sharding, targets
 from jaxrl_tools.config import AlgorithmSection
 from jaxrl_tools.models.lora import lora_shapes
+from jaxrl_tools.plan import run_plan
 
 
 def test_plan_memory_accounts_for_master_weights_adam_and_bf16_cache():
@@ -44,7 +45,7 @@ def test_plan_memory_accounts_for_master_weights_adam_and_bf16_cache():
     extra = figures["decode"].arguments - 2 * n - cache
     assert 0 <= extra <= small, extra
     assert all(m.peak >= m.arguments for m in figures.values())
-    lines = plan.describe(figures, plan.ACCELERATORS["v5e"])
+    lines = plan.describe(figures, targets.ACCELERATORS["v5e"].hbm_bytes)
     assert len(lines) == 2 and all("fits in 16.00 GiB" in line for line in lines)
 
 
@@ -143,7 +144,7 @@ def test_plan_command_says_whether_the_run_fits_and_the_largest_micro_batch(
         m = plan.Memory(arguments=micro_batch_size << 20, outputs=0, temporaries=0, aliased=0)
         return {f: m for f in functions}
 
-    monkeypatch.setattr(plan, "plan_memory", figures)
+    monkeypatch.setattr(run_plan, "plan_memory", figures)
     path = _run_config(tmp_path)
     assert main(["plan", "--config", str(path), "--memory-gib", "4"]) == 0
     out = capsys.readouterr().out
@@ -168,12 +169,12 @@ def test_train_and_check_refuse_a_run_that_cannot_fit(tmp_path, capsys, monkeypa
     from jaxrl_tools.config import ConfigError
     from jaxrl_tools.config_loader import load_config
 
-    monkeypatch.setattr(plan, "device_memory", lambda: 2**20)
+    monkeypatch.setattr(run_plan, "device_memory", lambda: 2**20)
     # The tiny run's real figures are well over 1 MiB; faked here (compiling is tested above).
     # The RL step is the phase that does not fit by the most.
     m = plan.Memory(arguments=2**21, outputs=0, temporaries=0, aliased=0)
     step = dataclasses.replace(m, arguments=2**30)
-    monkeypatch.setattr(plan, "plan_memory", lambda *a, **kw: {"update": step, "decode": m})
+    monkeypatch.setattr(run_plan, "plan_memory", lambda *a, **kw: {"update": step, "decode": m})
     cfg = load_config(_run_config(tmp_path), [])
     try:
         plan.check_fits(cfg, None)
@@ -223,7 +224,7 @@ def _main(out_dir: str) -> None:
         "trainer": decode(train),
         "serving_same_mesh": plan.resident_bytes(settings, mesh=train)["serving"],
         "serving_own": plan.resident_bytes(settings, mesh=train, decode_mesh=own)["serving"],
-        "params_per_device_own": plan._device_bytes(params, own_sh),
+        "params_per_device_own": plan.memory._device_bytes(params, own_sh),
     }
     Path(out_dir, "report.json").write_text(json.dumps(report))
 

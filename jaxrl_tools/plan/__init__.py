@@ -1,0 +1,53 @@
+"""`jaxrl-tools plan`: a run's memory per device and its floor, from the compilers themselves.
+
+`memory`: the RL step and the decode step the run executes, compiled on abstract shapes (no
+weights) for a mesh's devices, and what each phase keeps allocated. `run_plan`: a config's plan on
+its mesh (this host's, an accelerator's, or a target's compile-only devices: `targets`), whether
+it fits, the largest micro-batch that does, and each step's roofline floor.
+"""
+
+from jaxrl_tools.plan.memory import (
+    FUNCTIONS,
+    Memory,
+    compile_functions,
+    describe,
+    grpo_settings,
+    largest_fitting_micro_batch,
+    lower_decode,
+    phase_totals,
+    plan_memory,
+    resident_bytes,
+)
+from jaxrl_tools.plan.run_plan import (
+    Floor,
+    RunPlan,
+    check_fits,
+    device_memory,
+    fit_error,
+    floors,
+    plan_command,
+    plan_run,
+    plan_target,
+)
+
+__all__ = [
+    "FUNCTIONS",
+    "Floor",
+    "Memory",
+    "RunPlan",
+    "check_fits",
+    "compile_functions",
+    "describe",
+    "device_memory",
+    "fit_error",
+    "floors",
+    "grpo_settings",
+    "largest_fitting_micro_batch",
+    "lower_decode",
+    "phase_totals",
+    "plan_command",
+    "plan_memory",
+    "plan_run",
+    "plan_target",
+    "resident_bytes",
+]

@@ -1,0 +1,359 @@
+"""A run's plan: its config's steps compiled on its mesh, what each phase needs per device,
+whether that fits, and each step's floor on an accelerator.
+
+`plan_run` compiles on a given mesh (this host's devices, or a real accelerator's); `plan_target`
+on the compile-only devices of an accelerator (its own compiler, without it: `targets`);
+`plan_command` is `jaxrl-tools plan`: the target's compiler where it is installed, else the CPU
+compiler's estimate, saying so. `check` and `train` refuse a run whose plan does not fit an
+accelerator's memory (`check_fits`). The run's step comes from `step_config.run_step(cfg)`, the
+mapping `run.make_trainer` uses too: the step planned is the step trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from jaxrl_tools import sharding, targets
+from jaxrl_tools.config import ConfigError
+from jaxrl_tools.plan.memory import (
+    Memory,
+    describe,
+    largest_fitting_micro_batch,
+    phase_totals,
+    plan_memory,
+    resident_bytes,
+)
+from jaxrl_tools.step_config import run_shapes, run_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Floor:
+    """The roofline floor of one run of a compiled function on one device of an accelerator:
+    its matmul FLOPs at the peak bf16 rate, or its HBM bytes at the peak bandwidth, whichever
+    takes longer (`targets.Accelerator.floor_s`)."""
+
+    cost: targets.Cost
+    seconds: float
+    bound: str  # "compute" or "memory"
+
+    @classmethod
+    def of(cls, cost: targets.Cost, accelerator: targets.Accelerator) -> Floor:
+        compute = cost.flops / accelerator.peak_flops
+        memory = cost.bytes / accelerator.hbm_bandwidth
+        return cls(cost, max(compute, memory), "compute" if compute >= memory else "memory")
+
+
+PER_STEP = {"update": "RL step", "decode": "decode step (one token per slot)"}
+
+
+def floors(compiled: dict, accelerator: targets.Accelerator) -> dict[str, Floor]:
+    """Each compiled function's floor per run on `accelerator`, from its optimised HLO."""
+    return {
+        name: Floor.of(targets.hlo_cost(c.as_text()), accelerator) for name, c in compiled.items()
+    }
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
+
+
+def _amount(x: float, unit: str) -> str:
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """A run's per-device memory and what it is compared with.
+
+    Attributes:
+      figures: Memory of the RL step ("update") and the decode step, per device.
+      totals: each phase's bytes per device with what stays allocated meanwhile
+        (`phase_totals`): what must fit.
+      mesh: (data, fsdp, tensor).
+      hbm: the device memory it must fit in (None: not known, e.g. a CPU host).
+      micro_batch_size: the config's rows per micro-batch (all devices).
+      largest_micro_batch: the largest power-of-two multiple of the config's data-parallel
+        width that fits (None when not searched).
+      rollout_mesh: the decode step's own mesh (`rollout.mesh`), or None (`mesh`).
+      compiler: the compiler whose figures these are (None: the host's, unlabelled).
+      accelerator: the accelerator judged against (floors' peak rates), or None.
+      floors: each function's roofline floor per run on `accelerator`, or None.
+      notes: lines printed first (e.g. why the CPU compiler's estimate stands in).
+      topology: the slice compiled for (a target's), or None.
+    """
+
+    figures: dict[str, Memory]
+    totals: dict[str, int]
+    mesh: tuple[int, int, int]
+    hbm: int | None
+    micro_batch_size: int
+    largest_micro_batch: int | None = None
+    rollout_mesh: tuple[int, int, int] | None = None
+    compiler: str | None = None
+    accelerator: targets.Accelerator | None = None
+    floors: dict[str, Floor] | None = None
+    notes: tuple[str, ...] = ()
+    topology: str | None = None
+
+    @property
+    def peak(self) -> int:
+        return max(self.totals.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.hbm is None or self.peak <= self.hbm
+
+    def lines(self) -> list[str]:
+        d, f, t = self.mesh
+        on = (
+            ""
+            if self.rollout_mesh is None
+            else f", decode on {'x'.join(map(str, self.rollout_mesh))}"
+        )
+        out = list(self.notes)
+        if self.compiler is not None:
+            on_slice = "" if self.topology is None else f" for {self.topology}"
+            out.append(f"figures of the {self.compiler}{on_slice}:")
+        out.append(f"mesh {d}x{f}x{t} (data x fsdp x tensor){on}, per device:")
+        out += ["  " + line for line in describe(self.figures, self.hbm, self.totals)]
+        if self.largest_micro_batch is not None:
+            out.append(
+                f"largest optim.micro_batch_size that fits: {self.largest_micro_batch} "
+                f"(configured: {self.micro_batch_size})"
+            )
+        if self.floors and self.accelerator is not None:
+            a = self.accelerator
+            out.append(
+                f"roofline floor per device on {a.label} ({a.peak_flops / 1e12:,.0f} TFLOP/s "
+                f"bf16, {a.hbm_bandwidth / 1e12:.3g} TB/s HBM), of "
+                f"{'the program above' if self.compiler else 'the host compiler program'}:"
+            )
+            for name, fl in self.floors.items():
+                c = fl.cost
+                loops = f"; {c.unknown_loops} loops counted once" if c.unknown_loops else ""
+                if c.conditionals:
+                    loops += f"; {c.conditionals} conditionals at their costlier branch"
+                out.append(
+                    f"  {name:<9} {_seconds(fl.seconds)} per {PER_STEP.get(name, 'run')}, "
+                    f"{fl.bound}-bound: {_amount(c.flops, 'FLOP')}, "
+                    f"{_amount(c.bytes, 'B')} of HBM traffic{loops}"
+                )
+        return out
+
+
+def plan_run(
+    cfg,
+    mesh,
+    hbm: int | None = None,
+    search: bool = False,
+    *,
+    accelerator: targets.Accelerator | None = None,
+    compiler: str | None = None,
+    notes: tuple[str, ...] = (),
+) -> RunPlan:
+    """Compiles the run's RL step and decode step on abstract shapes for `mesh`'s devices (no
+    weights); attention "auto" resolves for their platform (`models.attention.select_impl`).
+
+    With `search`, also finds the largest micro-batch that fits in `hbm` (one compile of the
+    step per doubling). With `accelerator`, each step's roofline floor on it (from the
+    executables' HLO); `compiler` labels the figures, `notes` come first."""
+    step = run_step(cfg, mesh)
+    settings, shapes = step.settings, run_shapes(cfg)
+    decode_mesh = None
+    if cfg.rollout.mesh_shape is not None:  # the engine's mesh, over the same devices
+        decode_mesh = sharding.make_mesh(cfg.rollout.mesh_shape, list(mesh.devices.flat))
+    compiled = {}
+    figures = plan_memory(settings, mesh=mesh, decode_mesh=decode_mesh, compiled=compiled, **shapes)
+    step_floors = None if accelerator is None or not compiled else floors(compiled, accelerator)
+    del compiled
+    resident = resident_bytes(
+        settings, mesh=mesh, lora_decode=cfg.model.lora.decode, decode_mesh=decode_mesh
+    )
+    totals = phase_totals(figures, resident)
+    shape = tuple(mesh.shape[a] for a in mesh.axis_names)
+    largest = None
+    if search and hbm is not None:
+        width = shape[0] * shape[1]  # rows of a micro-batch split over data x fsdp
+        n_mini = settings.optim.num_mini_batches
+
+        def fits(b: int) -> bool:
+            # The micro-batch changes the RL step, not decoding; rows rounded up to split.
+            trial = dataclasses.replace(
+                settings, optim=dataclasses.replace(settings.optim, micro_batch_size=b)
+            )
+            rows = -(-shapes["rows"] // (n_mini * b)) * n_mini * b
+            trial_figures = plan_memory(
+                trial, mesh=mesh, **dict(shapes, rows=rows), functions=("update",)
+            )
+            trial_figures["decode"] = figures["decode"]
+            return max(phase_totals(trial_figures, resident).values()) <= hbm
+
+        rows_per_mini = shapes["rows"] // n_mini
+        largest = largest_fitting_micro_batch(fits, width, max(rows_per_mini, width))
+    return RunPlan(
+        figures,
+        totals,
+        shape,
+        hbm,
+        settings.optim.micro_batch_size,
+        largest,
+        cfg.rollout.mesh_shape,
+        compiler=compiler,
+        accelerator=accelerator,
+        floors=step_floors,
+        notes=tuple(notes),
+    )
+
+
+def plan_target(
+    cfg,
+    accelerator: str,
+    *,
+    topology: str | None = None,
+    hosts: int | None = None,
+    mesh_shape: tuple[int, int, int] | None = None,
+    mesh_name: str = "trainer.mesh",
+    search: bool = False,
+) -> RunPlan:
+    """`plan_run` with the accelerator's own compiler, without the accelerator: the run's mesh
+    (`mesh_shape`, default trainer.mesh; rollout.mesh for decoding) over the compile-only
+    devices of `topology` (default: `hosts` full hosts, else the slice of the mesh's size, else
+    the accelerator's default slice), judged against its HBM, with each step's floor.
+
+    Raises:
+      targets.TargetUnavailable: the compiler is not installed or gives no devices.
+      ConfigError: the mesh does not multiply to the slice's device count, or the compiler
+        refuses a step (one line each).
+    """
+    a = targets.ACCELERATORS[accelerator]
+    shape = cfg.trainer.mesh_shape if mesh_shape is None else tuple(mesh_shape)
+    wanted = None if shape is None else math.prod(shape)
+    topo = targets.resolve_topology(a, topology, hosts, wanted)
+    devices = targets.target_devices(accelerator, topo)
+    if shape is None:  # trainer.mesh auto: fsdp over the whole slice
+        shape = (1, len(devices), 1)
+    if math.prod(shape) != len(devices):
+        text = "x".join(map(str, shape))
+        other = a.topology_for(math.prod(shape))
+        hint = f", or compile for {other}" if other else ""
+        raise ConfigError(
+            f"plan: {mesh_name} {text} is {math.prod(shape)} devices and {a.label} topology "
+            f"{topo} has {len(devices)}: set {mesh_name} to a shape of {len(devices)} devices"
+            f"{hint} (--topology / --hosts)"
+        )
+    mesh = sharding.make_mesh(shape, devices)
+    try:
+        result = plan_run(cfg, mesh, a.hbm_bytes, search, accelerator=a, compiler=a.compiler)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the target compiler refused: one line, with the fix
+        raise ConfigError(_refusal(a, e)) from e
+    n = len(devices)
+    return dataclasses.replace(result, topology=f"{topo} ({n} device{'s' * (n > 1)})")
+
+
+def plan_command(
+    cfg,
+    *,
+    mesh_shape: tuple[int, int, int] | None = None,
+    mesh_name: str = "trainer.mesh",
+    accelerator: str | None = None,
+    topology: str | None = None,
+    hosts: int | None = None,
+    memory_gib: float | None = None,
+) -> RunPlan:
+    """`jaxrl-tools plan`: with `accelerator`, its own compiler when installed (`plan_target`),
+    else the CPU compiler's estimate with a first line saying why and how to install it;
+    without, this host's compiler on `mesh_shape` (default trainer.mesh), judged against
+    `memory_gib` or the device's memory. The largest fitting micro-batch is searched."""
+    a = targets.ACCELERATORS[accelerator] if accelerator else None
+    if (topology or hosts) and a is None:
+        raise ConfigError("plan: --topology and --hosts name a slice of --accelerator: add it")
+    notes = ()
+    if a is not None and memory_gib is None:
+        toolchain = targets.toolchain(a.platform)
+        why = toolchain.detail
+        if toolchain.installed:
+            targets.prepare(a.platform)
+            try:
+                return plan_target(
+                    cfg,
+                    a.name,
+                    topology=topology,
+                    hosts=hosts,
+                    mesh_shape=mesh_shape,
+                    mesh_name=mesh_name,
+                    search=True,
+                )
+            except targets.TargetUnavailable as e:
+                why = str(e)
+        notes = (f"{a.compiler}: {why}; below, the CPU compiler's estimate",)
+    if memory_gib is not None:
+        hbm = int(memory_gib * 2**30)
+    else:
+        hbm = a.hbm_bytes if a is not None else device_memory()
+    shape = mesh_shape or cfg.trainer.mesh_shape or (1, len(jax.devices()), 1)
+    have = len(jax.devices())
+    if jax.devices()[0].platform == "cpu" and have < (need := math.prod(shape)):
+        raise ConfigError(
+            f"plan: {mesh_name} {'x'.join(map(str, shape))} needs {need} devices and this host "
+            f"has {have}: run it with XLA_FLAGS=--xla_force_host_platform_device_count={need} "
+            "(simulated CPU devices)"
+        )
+    mesh = sharding.make_mesh(shape, jax.devices()[: math.prod(shape)])
+    return plan_run(
+        cfg,
+        mesh,
+        hbm,
+        search=True,
+        accelerator=a if memory_gib is None else None,
+        compiler="CPU compiler (an estimate)" if notes else None,
+        notes=notes,
+    )
+
+
+def _refusal(a: targets.Accelerator, e: Exception) -> str:
+    message = " ".join(str(e).split())
+    return f"plan: the {a.compiler} refused the run's steps: {type(e).__name__}: {message[:400]}"
+
+
+def device_memory() -> int | None:
+    """Bytes one accelerator can hold (None on a CPU host, where plans are not enforced)."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return None
+    stats = device.memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def fit_error(plan: RunPlan) -> str | None:
+    """The one-line refusal of a run that does not fit, naming the knobs to turn."""
+    if plan.fits:
+        return None
+    worst = max(plan.totals, key=plan.totals.get)
+    knob = {
+        "update": "lower optim.micro_batch_size, set model.remat: true, or widen trainer.mesh",
+        "decode": "lower rollout.slots, set model.kv_cache_dtype: bfloat16, or widen trainer.mesh",
+    }[worst]
+    gib = lambda n: f"{n / 2**30:.1f} GiB"
+    return (
+        f"the run does not fit: its {worst} step needs {gib(plan.totals[worst])} per device "
+        f"of {gib(plan.hbm)}: {knob} (details: jaxrl-tools plan --config ...)"
+    )
+
+
+def check_fits(cfg, mesh) -> None:
+    """On an accelerator, a ConfigError (one line) when the run's plan does not fit its memory;
+    on a CPU host nothing (host memory is not what XLA plans against)."""
+    hbm = device_memory()
+    if hbm is None:
+        return
+    error = fit_error(plan_run(cfg, mesh or sharding.make_mesh((1, 1, 1)), hbm))
+    if error:
+        raise ConfigError(error)

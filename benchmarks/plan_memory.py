@@ -41,7 +41,7 @@ def main():
     ap.add_argument("--rollout-mesh", default=None, help="compile the decode step on this mesh")
     args = ap.parse_args()
 
-    from jaxrl_tools import models, plan, sharding
+    from jaxrl_tools import models, plan, sharding, targets
 
     dtypes = models.DTypePolicy(param="float32", compute="bfloat16")
     print(

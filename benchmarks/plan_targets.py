@@ -125,7 +125,8 @@ def main():
                     cells += ["-", "-"]
                     continue
                 fl = p.floors[phase]
-                cells += [gib(p.totals[phase]), plan.run_plan._seconds(fl.seconds) + f" ({fl.bound[0]})"]
+                floor = plan.run_plan._seconds(fl.seconds)
+                cells += [gib(p.totals[phase]), f"{floor} ({fl.bound[0]})"]
             rows.append((f"{a.label} {topology}", cfg.model.attention, phase, *cells))
 
     print("\n| target | attention | phase | CPU estimate GiB | CPU-program floor | "

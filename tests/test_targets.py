@@ -13,10 +13,10 @@ from fakes import tiny_model_config
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_tools import models, plan, sharding, targets
-from jaxrl_tools.plan import run_plan
-from jaxrl_tools.targets import compilers
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.models import attention as attn_lib
+from jaxrl_tools.plan import run_plan
+from jaxrl_tools.targets import compilers
 
 
 def _needs(platform: str):

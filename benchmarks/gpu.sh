@@ -1,24 +1,43 @@
 #!/usr/bin/env bash
 # GPU checks and figures, on a CUDA machine whose python3 has JAX with its CUDA plugin (e.g. the
 # device tool's H200; packages it lacks travel as wheels, see below). From the repo root:
-#   bash benchmarks/gpu.sh
-# 1. the attention paths that only run on a GPU (cuDNN flash through
-#    jax.nn.dot_product_attention) against the dense path, and the chunked path there too;
-# 2. MFU of the GRPO update and HBM-bandwidth utilisation of decode, Qwen2.5-0.5B shapes,
-#    bfloat16 compute over float32 master weights, against the roofline measured in the same
-#    process (benchmarks/roofline.py).
+#   bash benchmarks/gpu.sh            (outputs under $OUT, default /tmp/gpu_out)
+# 1. gpu_step.py: the RL step and the decode step (Qwen2.5-0.5B shapes) planned by XLA:GPU
+#    deviceless and compiled on the GPU, run: memory planned vs measured, time vs floor, cuDNN
+#    flash attention in the step against the dense path;
+# 2. the attention tests that only run on a GPU (cuDNN flash against the dense path);
+# 3. bench_utilisation.py: MFU of an update and bandwidth use of decode against the roofline
+#    measured in the same process.
 # Wheels: `pip download` the core dependencies the image lacks into .whl/ (the device README
 # says how), carry .whl, and export WHEELS=.whl: they are installed into /tmp/site first.
-set -euo pipefail
+# Each part runs even when an earlier one fails; the exit status is the first failure's.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+out="${OUT:-/tmp/gpu_out}"
+mkdir -p "$out"
 if [ -n "${WHEELS:-}" ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c "import jax; d = jax.devices()[0]; assert d.platform == 'gpu', d; print(d.device_kind)"
-"$PY" -m pytest -q -p no:cacheprovider tests/test_models_attention.py \
+# The package as an install lays it out (jaxrl_tools.models is models/, ...), without pip.
+pkg="$(mktemp -d)"
+cp -r jaxrl_tools "$pkg/"
+for d in models sharding tools configs; do cp -r "$d" "$pkg/jaxrl_tools/$d"; done
+export PYTHONPATH="$pkg:$PYTHONPATH" PYTHONUNBUFFERED=1
+status=0
+part() {  # part NAME SECONDS COMMAND...: its output in $out/NAME.log
+  local name="$1" seconds="$2"
+  shift 2
+  echo "== $name"
+  timeout "$seconds" "$@" 2>&1 | tee "$out/$name.log" || { s=$?; echo "== $name: exit $s"; [ $status -ne 0 ] || status=$s; }
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+"$PY" -c "import jax; d = jax.devices()[0]; assert d.platform == 'gpu', d; print(jax.__version__, d.device_kind)" \
+  | tee -a "$out/gpu.txt" || exit 1
+part gpu_step 240 "$PY" benchmarks/gpu_step.py --json "$out/gpu_step.json"
+part attention 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_models_attention.py \
   -k "cudnn or chunked_equals_dense"
-"$PY" benchmarks/bench_utilisation.py --dtype bfloat16 --seqs 16 --seq-len 2048 --micro 4 \
-  --steps 5 --decode-batches 1,64,256 --new-tokens 128
+part utilisation 180 "$PY" benchmarks/bench_utilisation.py --dtype bfloat16 --seqs 16 \
+  --seq-len 2048 --micro 4 --steps 5 --decode-batches 1,64,256 --new-tokens 128
+exit $status

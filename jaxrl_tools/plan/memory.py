@@ -78,6 +78,31 @@ def grpo_settings(
     )
 
 
+def decode_engine(
+    model_cfg: models.ModelConfig,
+    dtypes: models.DTypePolicy,
+    *,
+    slots: int,
+    cache_len: int,
+    mesh=None,
+    rules=None,
+) -> EngineCore:
+    """The engine (no weights) whose decode step `lower_decode` plans: every slot reads whole
+    cache rows (full occupancy)."""
+    return EngineCore(
+        model_cfg,
+        slots=slots,
+        max_len=cache_len,
+        max_prefill_length=16,
+        mesh=mesh,
+        rules=rules,
+        dtype=dtypes.compute_dtype,
+        cache_dtype=dtypes.cache_dtype,
+        live_attention=False,
+        unstack_layers=False,
+    )
+
+
 def lower_decode(
     model_cfg: models.ModelConfig,
     dtypes: models.DTypePolicy,
@@ -90,18 +115,10 @@ def lower_decode(
     """One step of the engine's own decode step (`EngineCore.decode_step`, the object its
     `generate_steps` calls), all slots sampling and reading whole cache rows, lowered on the
     decode state the engine itself builds (`EngineCore.init_decode_state`) and its serving copy
-    of the weights (compute dtype, sharded on the engine's mesh)."""
-    engine = EngineCore(
-        model_cfg,
-        slots=slots,
-        max_len=cache_len,
-        max_prefill_length=16,
-        mesh=mesh,
-        rules=rules,
-        dtype=dtypes.compute_dtype,
-        cache_dtype=dtypes.cache_dtype,
-        live_attention=False,  # whole cache rows: full occupancy
-        unstack_layers=False,
+    of the weights (compute dtype, sharded on the engine's mesh). Its executable takes
+    `(params, state, engine.hook_data)` of `decode_engine` of the same arguments."""
+    engine = decode_engine(
+        model_cfg, dtypes, slots=slots, cache_len=cache_len, mesh=mesh, rules=rules
     )
     state = jax.eval_shape(engine.init_decode_state)
     params = models.param_shapes(model_cfg, dtypes.compute_dtype)

@@ -17,6 +17,7 @@ import math
 import jax
 
 from jaxrl_tools import sharding, targets
+from jaxrl_tools.check import check_batch
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.plan.memory import (
     Memory,
@@ -163,6 +164,8 @@ def plan_run(
     With `search`, also finds the largest micro-batch that fits in `hbm` (one compile of the
     step per doubling). With `accelerator`, each step's roofline floor on it (from the
     executables' HLO); `compiler` labels the figures, `notes` come first."""
+    shape = tuple(mesh.shape[a] for a in mesh.axis_names)
+    check_batch(cfg, shape)  # a batch that does not split: the one-line error, before compiling
     step = run_step(cfg, mesh)
     settings, shapes = step.settings, run_shapes(cfg)
     decode_mesh = None
@@ -176,7 +179,6 @@ def plan_run(
         settings, mesh=mesh, lora_decode=cfg.model.lora.decode, decode_mesh=decode_mesh
     )
     totals = phase_totals(figures, resident)
-    shape = tuple(mesh.shape[a] for a in mesh.axis_names)
     largest = None
     if search and hbm is not None:
         width = shape[0] * shape[1]  # rows of a micro-batch split over data x fsdp

@@ -1,8 +1,9 @@
 """The RL step and the decode step on a GPU, against what `plan` says of them without one.
 
-A random model of Qwen2.5-0.5B's shapes, bf16 compute over fp32 master weights and AdamW, GRPO
-(G = 4) on R rows of T tokens (right-padded to random lengths) in micro-batches of M; the
-engine's decode step over S slots of L cache positions (one token per slot, whole rows read).
+A random model of Qwen2.5-0.5B's shapes (`--model`: another of `shapes.py`), bf16 compute over
+fp32 master weights and AdamW, GRPO (G = 4) on R rows of T tokens (right-padded to random
+lengths) in micro-batches of M; the engine's decode step over S slots of L cache positions (one
+token per slot, whole rows read).
 On the first GPU of this machine:
 
 1. memory: per device, each step's arguments / temporaries / peak as XLA:GPU plans them
@@ -47,9 +48,11 @@ GIB = 2**30
 H200 = targets.ACCELERATORS["h200"]
 
 
-def settings_for(cfg, micro: int, attention: str = "auto"):
+def settings_for(cfg, a, attention: str = "auto"):
     dtypes = models.DTypePolicy(param="float32", compute="bfloat16", cache="bfloat16")
-    s = plan.grpo_settings(cfg, dtypes=dtypes, micro_batch_size=micro, attention=attention)
+    s = plan.grpo_settings(
+        cfg, dtypes=dtypes, micro_batch_size=a.micro, attention=attention, remat=a.remat
+    )
     return dataclasses.replace(s, group_size=4)
 
 
@@ -103,7 +106,7 @@ def timed(fn, n: int) -> float:
 def deviceless(cfg, a) -> dict:
     targets.prepare("cuda")
     mesh = sharding.make_mesh((1, 1, 1), targets.target_devices("h200", "1x1x1"))
-    compiled = compiled_steps(settings_for(cfg, a.micro), mesh, a)
+    compiled = compiled_steps(settings_for(cfg, a), mesh, a)
     fl = plan.floors(compiled, H200)
     return {
         name: dict(memory(plan.Memory.of(c)), floor_s=fl[name].seconds)
@@ -114,7 +117,7 @@ def deviceless(cfg, a) -> dict:
 def on_device(cfg, a, report: dict) -> None:
     device = jax.devices()[0]
     mesh = sharding.make_mesh((1, 1, 1), [device])
-    settings = settings_for(cfg, a.micro)
+    settings = settings_for(cfg, a)
     t0 = time.perf_counter()
     compiled = compiled_steps(settings, mesh, a)
     report["compile_s"] = time.perf_counter() - t0
@@ -171,7 +174,7 @@ def on_device(cfg, a, report: dict) -> None:
     seqs = {k: v[: a.micro] for k, v in step_inputs(the_batch(a, 1), settings)[0]["rows"].items()}
     logp = {}
     for impl in ("auto", "dense"):
-        s = settings_for(cfg, a.micro, impl)
+        s = settings_for(cfg, a, impl)
         lp, _ = make_rl_step(s, mesh).logprobs(params, seqs)
         logp[impl] = np.asarray(lp, np.float32)
     mask = np.asarray(seqs["loss_mask"]) > 0
@@ -186,6 +189,8 @@ def on_device(cfg, a, report: dict) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2.5-0.5b", help="a shape of shapes.py")
+    ap.add_argument("--remat", action="store_true", help="remat each layer (model.remat)")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro", type=int, default=4)
@@ -196,7 +201,7 @@ def main():
     ap.add_argument("--json", help="write the report here too")
     ap.add_argument("--deviceless", action="store_true", help="the deviceless figures only")
     a = ap.parse_args()
-    cfg = models.ModelConfig.from_hf(CONFIG_JSON["qwen2.5-0.5b"])
+    cfg = models.ModelConfig.from_hf(CONFIG_JSON[a.model])
     if a.layers:
         cfg = dataclasses.replace(cfg, num_hidden_layers=a.layers)
     report = {"jax": jax.__version__, "shapes": vars(a).copy()}

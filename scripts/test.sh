@@ -5,6 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export VENV="${VENV:-.venv}"
 bash scripts/setup.sh --test
+# The suite runs on the CPU: with libtpu and the CUDA plugin installed (the aot extras), jax would
+# otherwise try to start a TPU and a GPU backend in every process. The target-compiler tests
+# compile for them without starting them.
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 # One worker per core (at most 4: each holds a JAX runtime); a file's tests stay on one worker,

@@ -204,6 +204,19 @@ def test_a_mesh_that_is_not_the_slice_is_one_line_naming_trainer_mesh(tmp_path, 
     assert calls == ["v5e:2x2", "1x1x4"]
 
 
+def test_a_compiler_out_of_memory_is_a_run_that_does_not_fit():
+    v5p = targets.ACCELERATORS["v5p"]
+    oom = RuntimeError(
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+        "temporaries (236.26G) exceeds available HBM (95.74G)."
+    )
+    line = run_plan._refusal(v5p, oom)
+    assert line.startswith("plan: the run does not fit: the TPU compiler (v5p) ran out of")
+    assert "(236.26G)" in line and line.endswith("or widen trainer.mesh")
+    other = run_plan._refusal(v5p, TypeError("bad"))
+    assert other == "plan: the TPU compiler (v5p) refused the run's steps: TypeError: bad"
+
+
 # ------------------------------------------------------------------------------ the compilers
 
 

@@ -322,6 +322,12 @@ def plan_command(
 
 def _refusal(a: targets.Accelerator, e: Exception) -> str:
     message = " ".join(str(e).split())
+    if "RESOURCE_EXHAUSTED" in message:  # the TPU compiler stops where temporaries exceed HBM
+        return (
+            f"plan: the run does not fit: the {a.compiler} ran out of device memory compiling "
+            f"its steps ({message[:240]}): lower optim.micro_batch_size or rollout.slots, set "
+            "model.remat: true, or widen trainer.mesh"
+        )
     return f"plan: the {a.compiler} refused the run's steps: {type(e).__name__}: {message[:400]}"
 
 

@@ -26,12 +26,16 @@ Implementations (`impl`):
              The kernel masks causally by index (query t sees keys s <= t), so it takes only
              self-attention (T == S) with q_pos[b, t] == t, the training forward: never the
              queries of a KV-cache read (`kv_heads_first`), which sit at absolute positions.
-             Its sequence length must be a multiple of 128 (the kernel's blocks). Tested on CPU
-             in Pallas TPU interpret mode (`pltpu.force_tpu_interpret_mode()`: the same kernel
-             and this module's wrapper, interpreted), equal to "dense" to 1e-5 in float32, value
-             and gradient (tests/test_models_attention_pallas.py); on a TPU itself only where
-             one is present (bf16, tests/test_models_attention.py).
-  "auto"     picks per call from the platform and shapes (`select_impl`).
+             Its sequence length must be a multiple of 128 (the kernel's blocks). On a mesh
+             (`sharding.use_mesh`) it runs inside a `shard_map`, rows over the batch axes and
+             heads over "tensor": the TPU compiler cannot partition a Mosaic kernel. Tested on
+             CPU in Pallas TPU interpret mode (`pltpu.force_tpu_interpret_mode()`: the same
+             kernel and this module's wrapper, interpreted), equal to "dense" to 1e-5 in
+             float32, value and gradient, on one device and a mesh
+             (tests/test_models_attention_pallas.py); compiled inside the RL step by the TPU
+             compiler without a TPU (tests/test_targets.py).
+  "auto"     picks per call from the shapes and the platform of the devices the computation
+             is placed on (`select_impl`, `compute_platform`).
 
 Queries whose row allows no key (padding) get an arbitrary finite output (mean of some values,
 or 0): they differ between implementations and are never used.

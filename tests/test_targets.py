@@ -187,7 +187,7 @@ def test_plan_without_the_toolchain_falls_back_to_the_cpu_estimate(tmp_path, cap
     assert "--accelerator" in capsys.readouterr().err
 
 
-def test_a_mesh_that_is_not_the_slice_is_one_line_naming_trainer_mesh(tmp_path, monkeypatch):
+def test_a_mesh_that_is_not_the_slice_is_refitted_or_one_line(tmp_path, monkeypatch):
     from test_plan import _run_config
 
     from jaxrl_tools.config_loader import load_config
@@ -195,13 +195,26 @@ def test_a_mesh_that_is_not_the_slice_is_one_line_naming_trainer_mesh(tmp_path, 
     cfg = load_config(_run_config(tmp_path), ["trainer.mesh=1x2x1"])
     calls = []
     monkeypatch.setattr(
-        targets, "target_devices", lambda name, topo: calls.append(topo) or [object()] * 4
+        targets, "target_devices", lambda name, topo: calls.append(topo) or [object()] * 6
     )
-    with pytest.raises(ConfigError, match=r"trainer.mesh 1x2x1 is 2 devices .* v5e:2x2 has 4"):
-        plan.plan_target(cfg, "v5e", topology="v5e:2x2")
-    with pytest.raises(ConfigError, match=r"or compile for 1x1x2"):
-        plan.plan_target(cfg, "h100-80g", topology="1x1x4")
-    assert calls == ["v5e:2x2", "1x1x4"]
+    # --mesh is the user's own: a slice of another size is an error naming it
+    with pytest.raises(ConfigError, match=r"--mesh 1x2x1 is 2 devices .* 1x1x6 has 6: .* or "):
+        plan.plan_target(
+            cfg, "h100-80g", topology="1x1x6", mesh_shape=(1, 2, 1), mesh_name="--mesh"
+        )
+    # trainer.mesh whose data x tensor does not divide the slice: the same
+    bad = load_config(_run_config(tmp_path), ["trainer.mesh=1x1x4"])
+    with pytest.raises(ConfigError, match=r"trainer.mesh 1x1x4 is 4 devices .* 1x1x6 has 6"):
+        plan.plan_target(bad, "h100-80g", topology="1x1x6")
+    assert calls == ["1x1x6", "1x1x6"]
+    # else its fsdp axis is resized, keeping each micro-batch's rows per device where the
+    # step's 4 rows allow (micro-batch 2 on 2 devices: 1 row each)
+    refit, note = run_plan._refit(cfg, (1, 2, 1), (1, 4, 1), "v5e:2x2")
+    assert refit.trainer.mesh_shape == (1, 4, 1) and refit.optim.micro_batch_size == 4
+    assert note == (
+        "trainer.mesh 1x2x1 is 2 devices and v5e:2x2 has 4: planned on 1x4x1 (fsdp resized; "
+        "optim.micro_batch_size 2 -> 4, 1 row per device)"
+    )
 
 
 def test_a_compiler_out_of_memory_is_a_run_that_does_not_fit():
@@ -340,7 +353,8 @@ def test_plan_command_on_the_tpu_compiler(tmp_path, capsys):
     assert out[-3].startswith("roofline floor per device on TPU v5e (197 TFLOP/s bf16")
     assert out[-2].startswith("  update ") and "per RL step" in out[-2]
     assert out[-1].startswith("  decode ") and "per decode step" in out[-1]
-    # a slice the mesh does not fill: one line naming trainer.mesh
-    assert main(["plan", "--config", str(path), "--accelerator", "v5e", "--hosts", "1"]) == 2
-    err = capsys.readouterr().err
-    assert "trainer.mesh 1x1x1 is 1 devices and TPU v5e topology v5e:2x2 has 4" in err
+    # a slice of 4 chips: trainer.mesh refitted to it, said first
+    assert main(["plan", "--config", str(path), "--accelerator", "v5e", "--hosts", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("trainer.mesh 1x1x1 is 1 devices and v5e:2x2 has 4: planned on 1x4x1")
+    assert out[1] == "figures of the TPU compiler (v5e) for v5e:2x2 (4 devices):", out

@@ -226,12 +226,15 @@ def plan_target(
     """`plan_run` with the accelerator's own compiler, without the accelerator: the run's mesh
     (`mesh_shape`, default trainer.mesh; rollout.mesh for decoding) over the compile-only
     devices of `topology` (default: `hosts` full hosts, else the slice of the mesh's size, else
-    the accelerator's default slice), judged against its HBM, with each step's floor.
+    the accelerator's default slice), judged against its HBM, with each step's floor. A slice
+    of another size than trainer.mesh gets the mesh's fsdp axis resized to it (`_refit`, said
+    in the plan's first line).
 
     Raises:
       targets.TargetUnavailable: the compiler is not installed or gives no devices.
-      ConfigError: the mesh does not multiply to the slice's device count, or the compiler
-        refuses a step (one line each).
+      ConfigError: `mesh_shape` (--mesh) does not multiply to the slice's device count, or
+        trainer.mesh cannot be refitted to it (the slice's devices not a multiple of its data x
+        tensor), or the compiler refuses a step (one line each).
     """
     a = targets.ACCELERATORS[accelerator]
     shape = cfg.trainer.mesh_shape if mesh_shape is None else tuple(mesh_shape)
@@ -240,24 +243,58 @@ def plan_target(
     devices = targets.target_devices(accelerator, topo)
     if shape is None:  # trainer.mesh auto: fsdp over the whole slice
         shape = (1, len(devices), 1)
+    notes = ()
     if math.prod(shape) != len(devices):
-        text = "x".join(map(str, shape))
-        other = a.topology_for(math.prod(shape))
-        hint = f", or compile for {other}" if other else ""
-        raise ConfigError(
-            f"plan: {mesh_name} {text} is {math.prod(shape)} devices and {a.label} topology "
-            f"{topo} has {len(devices)}: set {mesh_name} to a shape of {len(devices)} devices"
-            f"{hint} (--topology / --hosts)"
-        )
+        d, _, t = shape
+        if mesh_name != "trainer.mesh" or len(devices) % (d * t):
+            text = "x".join(map(str, shape))
+            other = a.topology_for(math.prod(shape))
+            hint = f", or compile for {other}" if other else ""
+            raise ConfigError(
+                f"plan: {mesh_name} {text} is {math.prod(shape)} devices and {a.label} topology "
+                f"{topo} has {len(devices)}: set {mesh_name} to a shape of {len(devices)} "
+                f"devices{hint} (--topology / --hosts)"
+            )
+        cfg, note = _refit(cfg, shape, (d, len(devices) // (d * t), t), topo)
+        shape, notes = cfg.trainer.mesh_shape, (note,)
     mesh = sharding.make_mesh(shape, devices)
     try:
-        result = plan_run(cfg, mesh, a.hbm_bytes, search, accelerator=a, compiler=a.compiler)
+        result = plan_run(
+            cfg, mesh, a.hbm_bytes, search, accelerator=a, compiler=a.compiler, notes=notes
+        )
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the target compiler refused: one line, with the fix
         raise ConfigError(_refusal(a, e)) from e
     n = len(devices)
     return dataclasses.replace(result, topology=f"{topo} ({n} device{'s' * (n > 1)})")
+
+
+def _refit(cfg, old: tuple, new: tuple, topology: str):
+    """The recipe's trainer.mesh refitted to a slice of another size: its fsdp axis resized,
+    each micro-batch keeping its rows per device where a mini-batch has as many, decoding on
+    the trainer mesh. (cfg, a note)."""
+    d, f, _ = old
+    width = new[0] * new[1]
+    micro, rows = cfg.optim.micro_batch_size, cfg.update_rows // cfg.optim.num_mini_batches
+    per = max(micro // (d * f), 1)
+    while per > 1 and rows % (per * width):
+        per //= 2
+    text = lambda s: "x".join(map(str, s))  # noqa: E731
+    note = (
+        f"trainer.mesh {text(old)} is {math.prod(old)} devices and {topology} has "
+        f"{math.prod(new)}: planned on {text(new)} (fsdp resized; optim.micro_batch_size "
+        f"{micro} -> {per * width}, {per} row{'s' * (per > 1)} per device"
+    )
+    if cfg.rollout.mesh is not None:
+        note += f"; decoding on the trainer mesh, not rollout.mesh {cfg.rollout.mesh}"
+    cfg = dataclasses.replace(
+        cfg,
+        trainer=dataclasses.replace(cfg.trainer, mesh=text(new)),
+        optim=dataclasses.replace(cfg.optim, micro_batch_size=per * width),
+        rollout=dataclasses.replace(cfg.rollout, mesh=None),
+    )
+    return cfg, note + ")"
 
 
 def plan_command(

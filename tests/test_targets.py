@@ -13,7 +13,7 @@ from fakes import tiny_model_config
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_tools import models, plan, sharding, targets
-from jaxrl_tools.config import ConfigError
+from jaxrl_tools.config import AlgorithmSection, ConfigError
 from jaxrl_tools.models import attention as attn_lib
 from jaxrl_tools.plan import run_plan
 from jaxrl_tools.targets import compilers
@@ -233,8 +233,9 @@ def test_a_compiler_out_of_memory_is_a_run_that_does_not_fit():
 # ------------------------------------------------------------------------------ the compilers
 
 
-def _tiny_plan(devices, head_dim=8, attention="auto", rows=None, seq_len=128):
-    """The tiny Qwen2's RL step and decode step compiled for `devices` (fsdp over them)."""
+def _tiny_plan(devices, head_dim=8, attention="auto", rows=None, seq_len=128, kl=0.0):
+    """The tiny Qwen2's RL step and decode step compiled for `devices` (fsdp over them); with
+    `kl`, the step also runs the reference policy's log-prob forward."""
     cfg = dataclasses.replace(tiny_model_config(), head_dim=head_dim)
     mesh = sharding.make_mesh((1, -1, 1), devices)
     settings = plan.grpo_settings(
@@ -242,6 +243,7 @@ def _tiny_plan(devices, head_dim=8, attention="auto", rows=None, seq_len=128):
         dtypes=models.DTypePolicy(compute="bfloat16"),
         micro_batch_size=len(devices),
         attention=attention,
+        algorithm=AlgorithmSection(kl_coef=kl),
     )
     compiled = {}
     figures = plan.plan_memory(
@@ -318,9 +320,10 @@ def test_xla_gpu_plans_the_tiny_model_on_8_h100s_with_cudnn_attention():
     assert len(devices) == 8 and devices[0].device_kind == "NVIDIA H100 80GB HBM3"
     cfg, figures, compiled = _tiny_plan(devices)
     _check_tiny(cfg, figures, compiled, targets.ACCELERATORS["h100-80g"], 8)
-    # "auto" resolved for the GPU: cuDNN flash attention in the update (bf16, head_dim 128)
-    _, _, compiled = _tiny_plan(devices, head_dim=128)
-    assert "__cudnn$fmha" in compiled["update"].as_text()
+    # "auto" resolved for the GPU: cuDNN flash attention in the update (bf16, head_dim 128),
+    # the reference log-prob forward's included (KL in the loss): forward, forward, backward
+    _, _, compiled = _tiny_plan(devices, head_dim=128, kl=0.01)
+    assert compiled["update"].as_text().count("__cudnn$fmha") >= 3
     cost = targets.hlo_cost(compiled["update"].as_text())
     assert cost.flops > 0 and cost.unknown_loops == 0
 

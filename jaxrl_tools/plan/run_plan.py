@@ -58,11 +58,20 @@ def floors(compiled: dict, accelerator: targets.Accelerator) -> dict[str, Floor]
 
 
 def _seconds(s: float) -> str:
+    if s >= 1000:
+        return f"{s:,.0f} s"
     return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
 
 
 def _amount(x: float, unit: str) -> str:
-    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+    for scale, prefix in (
+        (1e18, "E"),
+        (1e15, "P"),
+        (1e12, "T"),
+        (1e9, "G"),
+        (1e6, "M"),
+        (1e3, "k"),
+    ):
         if x >= scale:
             return f"{x / scale:.3g} {prefix}{unit}"
     return f"{x:.3g} {unit}"

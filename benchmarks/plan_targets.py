@@ -89,25 +89,14 @@ def main():
             f"{r.max_prompt_len}+{r.max_response_len} tokens"
         )
         plans = {}
-        for attempt in ([], ["model.attention=chunked"]):
-            trial = load_config(
-                root / "configs" / f"{args.recipe}.yaml",
-                [f"model.path={folder}", *args.overrides, *over, *attempt],
-            )
-            t0 = time.perf_counter()
-            try:
-                plans["target"] = plan.plan_target(trial, name, topology=topology)
-            except (ConfigError, targets.TargetUnavailable) as e:
-                print(f"  {a.compiler}: {e} ({time.perf_counter() - t0:.0f} s)")
-                if attempt:
-                    break
-                continue
-            print(f"  {a.compiler}{' with ' + attempt[0] if attempt else ''}: "
-                  f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            plans["target"] = plan.plan_target(cfg, name, topology=topology)
+            print(f"  {a.compiler}: {time.perf_counter() - t0:.0f} s")
             for line in plans["target"].lines():
                 print("    " + line)
-            cfg = trial
-            break
+        except (ConfigError, targets.TargetUnavailable) as e:
+            print(f"  {a.compiler}: {e} ({time.perf_counter() - t0:.0f} s)")
         if not args.no_cpu:
             t0 = time.perf_counter()
             mesh = sharding.make_mesh(cfg.trainer.mesh_shape, jax.devices("cpu")[:n])

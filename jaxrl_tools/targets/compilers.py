@@ -210,13 +210,13 @@ def _run_plugin_callbacks(name: str) -> None:
 
 def prepare(platform: str) -> None:
     """Call before jax starts its backends (the first `jax.devices()`), in a process that will
-    compile for `platform`: on a host without a GPU the CUDA plugin then registers (its library
-    check skipped) instead of printing a traceback and staying unregistered; on a host without
-    a TPU, libtpu loads in several processes at once (it holds /tmp/libtpu_lockfile, meant for
-    the processes sharing a TPU: a second compiling process would be refused)."""
-    if platform == "cuda":
-        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    elif platform == "tpu" and _tpu_chips() == 0:
+    compile for `platform`: on a host without a GPU the CUDA plugin registers (its check of the
+    CUDA libraries, which needs a driver, skipped) instead of printing a traceback, whichever
+    platform is planned for; on a host without a TPU, libtpu loads in several processes at once
+    (it holds /tmp/libtpu_lockfile, meant for the processes sharing a TPU: a second compiling
+    process would be refused)."""
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    if platform == "tpu" and _tpu_chips() == 0:
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 

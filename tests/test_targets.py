@@ -230,6 +230,23 @@ def test_a_compiler_out_of_memory_is_a_run_that_does_not_fit():
     assert other == "plan: the TPU compiler (v5p) refused the run's steps: TypeError: bad"
 
 
+def test_the_micro_batch_search_stops_where_the_compiler_runs_out_of_memory(tmp_path, monkeypatch):
+    from test_plan import _run_config
+
+    from jaxrl_tools.config_loader import load_config
+
+    def figures(settings, *, functions=plan.FUNCTIONS, **kw):
+        if settings.optim.micro_batch_size > 2:  # what the TPU compiler does past its HBM
+            raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total ...")
+        m = plan.Memory(arguments=1 << 20, outputs=0, temporaries=0, aliased=0)
+        return {f: m for f in functions}
+
+    monkeypatch.setattr(run_plan, "plan_memory", figures)
+    cfg = load_config(_run_config(tmp_path), [])
+    p = plan.plan_run(cfg, sharding.make_mesh((1, 1, 1), jax.devices()[:1]), 2**30, search=True)
+    assert p.fits and p.largest_micro_batch == 2
+
+
 # ------------------------------------------------------------------------------ the compilers
 
 

@@ -76,7 +76,7 @@ def cells(p) -> list[str]:
     fl = p.floors or {}
     return [
         f"{gib(p.totals['update'])} / {gib(p.totals['decode'])}",
-        " / ".join(plan.run_plan._seconds(fl[f].seconds) for f in plan.FUNCTIONS if f in fl),
+        " / ".join(plan.report.format_seconds(fl[f].seconds) for f in plan.FUNCTIONS if f in fl),
     ]
 
 

@@ -114,7 +114,7 @@ def main():
                     cells += ["-", "-"]
                     continue
                 fl = p.floors[phase]
-                floor = plan.run_plan._seconds(fl.seconds)
+                floor = plan.report.format_seconds(fl.seconds)
                 cells += [gib(p.totals[phase]), f"{floor} ({fl.bound[0]})"]
             rows.append((f"{a.label} {topology}", cfg.model.attention, phase, *cells))
 

@@ -3,7 +3,8 @@
 `memory`: the RL step and the decode step the run executes, compiled on abstract shapes (no
 weights) for a mesh's devices, and what each phase keeps allocated. `run_plan`: a config's plan on
 its mesh (this host's, an accelerator's, or a target's compile-only devices: `targets`), whether
-it fits, the largest micro-batch that does, and each step's roofline floor.
+it fits and the largest micro-batch that does. `report`: what is printed, with each step's
+roofline floor.
 """
 
 from jaxrl_tools.plan.memory import (
@@ -19,13 +20,11 @@ from jaxrl_tools.plan.memory import (
     plan_memory,
     resident_bytes,
 )
+from jaxrl_tools.plan.report import Floor, RunPlan, floors
 from jaxrl_tools.plan.run_plan import (
-    Floor,
-    RunPlan,
     check_fits,
     device_memory,
     fit_error,
-    floors,
     plan_command,
     plan_run,
     plan_target,

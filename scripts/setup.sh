@@ -3,7 +3,7 @@
 #   scripts/setup.sh         the core install the README's demo runs in: no torch, no TensorFlow.
 #   scripts/setup.sh --test  adds the test and serve extras (pytest, ruff, torch, JetStream) and
 #                            the accelerators' compilers of `plan --accelerator` (aot-tpu: libtpu,
-#                            +0.7 GB; aot-gpu: the jax CUDA plugin and NVIDIA wheels, +3.7 GB).
+#                            +0.7 GB; aot-gpu: the jax CUDA plugin and cuDNN, about +2 GB).
 # torch must be the local CPU build, installed before the test extra: `torch>=2.4` resolved by
 # pip alone would fetch a multi-GB CUDA build. JetStream stays out of the core install because
 # it pulls seqio -> TensorFlow (~2 GB) that training never imports.

@@ -337,6 +337,10 @@ def test_xla_gpu_plans_the_tiny_model_on_8_h100s_with_cudnn_attention():
     assert len(devices) == 8 and devices[0].device_kind == "NVIDIA H100 80GB HBM3"
     cfg, figures, compiled = _tiny_plan(devices)
     _check_tiny(cfg, figures, compiled, targets.ACCELERATORS["h100-80g"], 8)
+    # fsdp over 8 GPUs: the weights are gathered and the gradients reduced across them
+    moved = targets.hlo_cost(compiled["update"].as_text()).collective_bytes
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(models.param_shapes(cfg)))
+    assert moved >= 2 * n * 7 / 8, (moved, n)  # at least every bf16 weight gathered once
     # "auto" resolved for the GPU: cuDNN flash attention in the update (bf16, head_dim 128),
     # the reference log-prob forward's included (KL in the loss): forward, forward, backward
     _, _, compiled = _tiny_plan(devices, head_dim=128, kl=0.01)
@@ -355,7 +359,8 @@ def test_hlo_cost_counts_cublas_gemms_of_a_gpu_program():
     w = jax.ShapeDtypeStruct((6, 1024, 1024), jnp.bfloat16, sharding=s)
     compiled = jax.jit(_scan).lower(x, w).compile()
     assert compiled.cost_analysis() is None  # XLA:GPU's deviceless executables have none
-    assert targets.hlo_cost(compiled.as_text()).flops == 6 * 2 * 512 * 1024 * 1024
+    cost = targets.hlo_cost(compiled.as_text())
+    assert cost.flops == 6 * 2 * 512 * 1024 * 1024 and cost.collective_bytes == 0
 
 
 @pytest.mark.target_compiler

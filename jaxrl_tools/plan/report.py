@@ -125,12 +125,16 @@ class RunPlan:
             )
             for name, fl in self.floors.items():
                 c = fl.cost
-                loops = f"; {c.unknown_loops} loops counted once" if c.unknown_loops else ""
+                notes = ""
+                if c.collective_bytes:
+                    notes += f" ({_amount(c.collective_bytes, 'B')} of it by collectives)"
+                if c.unknown_loops:
+                    notes += f"; {c.unknown_loops} loops counted once"
                 if c.conditionals:
-                    loops += f"; {c.conditionals} conditionals at their costlier branch"
+                    notes += f"; {c.conditionals} conditionals at their costlier branch"
                 out.append(
                     f"  {name:<9} {format_seconds(fl.seconds)} per {PER_STEP.get(name, 'run')}, "
                     f"{fl.bound}-bound: {_amount(c.flops, 'FLOP')}, "
-                    f"{_amount(c.bytes, 'B')} of HBM traffic{loops}"
+                    f"{_amount(c.bytes, 'B')} of HBM traffic{notes}"
                 )
         return out

@@ -24,12 +24,15 @@ class Cost:
     unknown_loops: loops whose trip count could not be read (counted once).
     conditionals: conditionals in the program, each counted at its costlier branch (e.g. the
       chunked attention's test for a block above the causal diagonal: all blocks counted).
+    collective_bytes: the part of `bytes` moved by collectives (all-gather, all-reduce,
+      reduce-scatter, all-to-all, collective-permute): the traffic that crosses devices.
     """
 
     flops: float
     bytes: float
     unknown_loops: int = 0
     conditionals: int = 0
+    collective_bytes: float = 0.0
 
     def __add__(self, other: Cost) -> Cost:
         return Cost(
@@ -37,10 +40,16 @@ class Cost:
             self.bytes + other.bytes,
             self.unknown_loops + other.unknown_loops,
             self.conditionals + other.conditionals,
+            self.collective_bytes + other.collective_bytes,
         )
 
     def __mul__(self, n: float) -> Cost:
-        return Cost(self.flops * n, self.bytes * n, self.unknown_loops, self.conditionals)
+        return dataclasses.replace(
+            self,
+            flops=self.flops * n,
+            bytes=self.bytes * n,
+            collective_bytes=self.collective_bytes * n,
+        )
 
 
 _ZERO = Cost(0.0, 0.0)
@@ -202,6 +211,12 @@ class _Module:
         return f
 
     def instr_cost(self, i: Instr) -> Cost:
+        cost = self._instr_cost(i)
+        if i.op.removesuffix("-start") in hlo.COLLECTIVES:
+            cost = dataclasses.replace(cost, collective_bytes=cost.bytes)
+        return cost
+
+    def _instr_cost(self, i: Instr) -> Cost:
         op = i.op
         if op in hlo.NO_TRAFFIC or op.endswith("-done"):
             return _ZERO

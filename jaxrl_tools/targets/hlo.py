@@ -20,6 +20,10 @@ NO_TRAFFIC = {
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
     "partition-id", "replica-id", "opt-barrier", "iota", "add-dependency", "domain",
 }  # fmt: skip
+COLLECTIVES = {
+    "all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+    "collective-permute", "collective-broadcast",
+}  # fmt: skip
 SLICING = {"dynamic-slice", "slice", "gather"}
 IN_PLACE = {"dynamic-update-slice", "scatter"}  # write their updates into operand 0 (operands)
 

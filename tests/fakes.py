@@ -85,14 +85,16 @@ def run_on_8_devices(script: str, out_dir: Path, timeout: int) -> dict:
     return json.loads((out_dir / "report.json").read_text())
 
 
-def tiny_model_config(intermediate_size: int = 64):
+def tiny_model_config(
+    intermediate_size: int = 64, *, vocab_size: int = VOCAB, attention_bias: bool = True, **kw
+):
     """Qwen2, 2 layers, hidden 32, 4 heads / 2 kv heads, tied: divides the 2x2x2 and 1x4x2
-    meshes under DEFAULT_RULES."""
+    meshes under DEFAULT_RULES. `kw`: other ModelConfig fields (a tokenizer's eos and pad)."""
     from jaxrl_tools import models
 
     return models.ModelConfig(
         model_type="qwen2",
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=intermediate_size,
         num_hidden_layers=2,
@@ -100,7 +102,8 @@ def tiny_model_config(intermediate_size: int = 64):
         num_key_value_heads=2,
         head_dim=8,
         tie_word_embeddings=True,
-        attention_bias=True,
+        attention_bias=attention_bias,
+        **kw,
     )
 
 

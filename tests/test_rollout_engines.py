@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fakes import tiny_model_config
 from jetstream.engine import engine_api
 
 from jaxrl_tools import models
@@ -31,17 +32,7 @@ def tok(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny(tok):
-    config = models.ModelConfig(
-        model_type="qwen2",
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=True,
-    )
+    config = tiny_model_config(vocab_size=len(tok), attention_bias=False)
     return config, models.init_params(config, jax.random.PRNGKey(0))
 
 

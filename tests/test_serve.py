@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
-from fakes import TINY_RUN_MODEL
+from fakes import TINY_RUN_MODEL, tiny_model_config
 
 from jaxrl_tools import prompts, run
 from jaxrl_tools.config_loader import load_config
@@ -149,16 +149,9 @@ def test_tools_run_server_side_in_the_sandbox(tmp_path):
     from jaxrl_tools.tools import ToolExecutor
 
     tok = build_tokenizer(tmp_path / "tok", vocab_size=300)
-    model_cfg = models.ModelConfig(
-        model_type="qwen2",
+    model_cfg = tiny_model_config(
         vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=True,
+        attention_bias=False,
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tok.pad_token_id,
     )

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fakes import tiny_model_config
 
 from jaxrl_tools import algorithms, models, run
 from jaxrl_tools.config_loader import config_from_dict
@@ -81,17 +82,8 @@ def _scripts(tok) -> np.ndarray:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tok = build_tokenizer(tmp_path_factory.mktemp("tok") / "t", vocab_size=300)
-    model_cfg = models.ModelConfig(
-        model_type="qwen2",
+    model_cfg = tiny_model_config(
         vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=True,
-        attention_bias=True,
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tok.pad_token_id,
     )

@@ -261,3 +261,16 @@ def test_cudnn_with_packing_is_refused_by_the_config():
     for section in ("optim", "sft"):
         with pytest.raises(ValueError, match="model.attention.*'cudnn' takes no packed rows"):
             config_from_dict({**cfg, section: {"pack": True}})
+
+
+def test_sft_stops_at_a_step_that_is_not_finite():
+    # A weight that is inf makes the first step's loss NaN: SFT stops there, in one line,
+    # instead of training on and returning NaN weights.
+    traces = [[["question", False], ["answer", True]]] * 4
+    model_cfg = tiny_model_config()
+    params = models.init_params(model_cfg, jax.random.key(0))
+    params["final_norm"]["scale"] = params["final_norm"]["scale"].at[0].set(jnp.inf)
+    with pytest.raises(sft.NonFiniteSFT, match=r"^sft step 1: the update is not finite \(loss "):
+        sft.train_sft(
+            model_cfg, params, _CharTokenizer(), traces, epochs=2, lr=1e-2, batch_size=4, max_len=64
+        )

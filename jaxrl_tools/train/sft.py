@@ -7,6 +7,7 @@ segments (the assistant's own tokens) carry loss; prompts and tool output never 
 """
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_tools import algorithms, models, sharding
+from jaxrl_tools.config import ConfigError
 from jaxrl_tools.train import policy
 from jaxrl_tools.train.packing import plan_packing
 from jaxrl_tools.train.state import (
@@ -121,6 +123,16 @@ def make_sft_update(
     return call
 
 
+class NonFiniteSFT(ConfigError):
+    """A diverged SFT step: SFT stopped before anything was written (one line, the fix)."""
+
+    def __init__(self, step: int, what: str):
+        super().__init__(
+            f"sft step {step}: the update is not finite ({what}); SFT stopped and wrote nothing: "
+            "lower sft.lr (or set optim.grad_clip) and run it again"
+        )
+
+
 def train_sft(
     model_cfg: models.ModelConfig,
     params: Any,
@@ -142,6 +154,9 @@ def train_sft(
     pack: bool = False,
 ) -> Any:
     """Trains `params` on segment traces for `epochs`; returns the new params.
+
+    Raises:
+      NonFiniteSFT: a step's loss or gradient norm is NaN or infinite (nothing is returned).
 
     Args:
       traces: each a list of (text, trainable) segments.
@@ -205,6 +220,10 @@ def train_sft(
             mb = {key: place(v.reshape(-1, micro, length)) for key, v in rows.items()}
             state, metrics = update(state, mb)
             step += 1
+            values = {k: float(metrics[k]) for k in ("loss", "grad_norm")}
+            bad = [f"{k} {v}" for k, v in values.items() if not math.isfinite(v)]
+            if bad:
+                raise NonFiniteSFT(step, ", ".join(bad))
             if on_step is not None:
                 on_step(step, {"sft/loss": metrics["loss"], "sft/grad_norm": metrics["grad_norm"]})
     return state.params

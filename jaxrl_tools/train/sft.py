@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_tools import algorithms, models, sharding
 from jaxrl_tools.config import ConfigError
+from jaxrl_tools.sharding.distributed import to_host
 from jaxrl_tools.train import policy
 from jaxrl_tools.train.packing import plan_packing
 from jaxrl_tools.train.state import (
@@ -220,7 +221,8 @@ def train_sft(
             mb = {key: place(v.reshape(-1, micro, length)) for key, v in rows.items()}
             state, metrics = update(state, mb)
             step += 1
-            values = {k: float(metrics[k]) for k in ("loss", "grad_norm")}
+            # every process reads them (a collective when the metrics span processes)
+            values = {k: float(to_host(metrics[k])) for k in ("loss", "grad_norm")}
             bad = [f"{k} {v}" for k, v in values.items() if not math.isfinite(v)]
             if bad:
                 raise NonFiniteSFT(step, ", ".join(bad))

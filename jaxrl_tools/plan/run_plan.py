@@ -75,8 +75,8 @@ def plan_run(
                 trial_figures = plan_memory(
                     trial, mesh=mesh, **dict(shapes, rows=rows), functions=("update",)
                 )
-            except Exception as e:  # the TPU compiler refuses temporaries beyond its HBM
-                if "RESOURCE_EXHAUSTED" in str(e):
+            except Exception as e:  # noqa: BLE001 - out of memory: this micro-batch does not fit
+                if _out_of_memory(e):
                     return False
                 raise
             trial_figures["decode"] = figures["decode"]
@@ -243,9 +243,15 @@ def plan_command(
     )
 
 
+def _out_of_memory(e: Exception) -> bool:
+    """The compiler refused a step for memory (the TPU compiler stops where temporaries exceed
+    the device's HBM): a run, or a micro-batch, that does not fit."""
+    return "RESOURCE_EXHAUSTED" in str(e)
+
+
 def _refusal(a: targets.Accelerator, e: Exception) -> str:
     message = " ".join(str(e).split())
-    if "RESOURCE_EXHAUSTED" in message:  # the TPU compiler stops where temporaries exceed HBM
+    if _out_of_memory(e):
         return (
             f"plan: the run does not fit: the {a.compiler} ran out of device memory compiling "
             f"its steps ({message[:240]}): lower optim.micro_batch_size or rollout.slots, set "

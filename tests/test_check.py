@@ -338,6 +338,25 @@ def test_unwritable_checkpoint_dir_fails_fast(base, capsys, tmp_path, monkeypatc
         check.check_writable(str(tmp_path / "slow"), "trainer.log_dir", timeout_s=0.2)
 
 
+def test_processes_of_one_host_probe_one_folder_at_once(tmp_path):
+    """Every process of a multi-host run probes the checkpoint folder; on one host they probe
+    the same path at once. A probe that made and removed folders pulled them from under
+    another's (CI: "not writable (No such file or directory)"). None is made, none left."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    target = tmp_path / "two" / "ckpt"
+
+    def probe(_):
+        check.check_writable(str(target), "trainer.checkpoint_dir")
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(probe, range(400)))
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match=r"afile is not writable \(it is a file\)"):
+        check.check_writable(str(tmp_path / "afile"), "trainer.log_dir")
+
+
 def test_eval_and_export_mistakes(base, capsys, tmp_path):
     _, path = base
     fails(

@@ -230,33 +230,26 @@ def check_batch(cfg: RunConfig, mesh_shape: tuple[int, int, int]) -> None:
 
 
 def check_writable(path: str, field: str, *, timeout_s: float = WRITE_PROBE_TIMEOUT_S) -> None:
-    """`path` is a folder that takes a file: a probe file is created and removed (and any
-    folders created for it), within `timeout_s` (a hung mount is an error, not a hang)."""
+    """`path` is a folder that takes a file, or one that can be made: a probe file is created and
+    removed in it or in its nearest existing parent, within `timeout_s` (a hung mount is an
+    error, not a hang). No folder is made or removed: processes of one host probe the same path
+    at once, and one's clean-up must not pull a folder from under another's probe."""
     result: dict[str, Any] = {}
 
     def probe():
-        created = []
         try:
-            p = Path(path).absolute()
-            if p.exists() and not p.is_dir():
-                result["error"] = "it is a file"
-                return
-            q = p
+            p = q = Path(path).absolute()
             while not q.exists():
-                created.append(q)
                 q = q.parent
-            p.mkdir(parents=True, exist_ok=True)
-            f = p / f".jaxrl_tools_probe_{uuid.uuid4().hex}"
+            if not q.is_dir():
+                result["error"] = "it is a file" if q == p else "Not a directory"
+                return
+            f = q / f".jaxrl_tools_probe_{uuid.uuid4().hex}"
             f.write_bytes(b"")
             f.unlink()
         except OSError as e:
             result["error"] = e.strerror or str(e)
         finally:
-            for c in created:  # deepest first: leave no folder behind
-                try:
-                    c.rmdir()
-                except OSError:
-                    pass
             result["done"] = True
 
     thread = threading.Thread(target=probe, daemon=True)

@@ -37,7 +37,7 @@ from jaxrl_tools.setup import (
 )
 from jaxrl_tools.step_config import rl_setup
 from jaxrl_tools.tools import ToolExecutor
-from jaxrl_tools.train import rl_loop, sft
+from jaxrl_tools.train import rl_loop, sft, trackers
 from jaxrl_tools.train.metrics import MetricsLogger, public, write_json
 from jaxrl_tools.train.rl import RLTrainer
 
@@ -167,8 +167,10 @@ def train(
     plan.check_fits(cfg, mesh)  # on an accelerator: refuse a run that cannot fit, first
     ckpt, resuming = run_checkpoints(t)  # locked now: a second run on the folder is refused
     summary: dict[str, Any] = {"run_name": t.run_name}
-    tools, episodes, logger = [], None, None
+    tools, episodes, logger, opened, done = [], None, None, [], False
     try:
+        # Before the model: a tracker that cannot start (wandb not logged in) fails at once.
+        opened = trackers.open_trackers(cfg, resume=resuming)
         tokenizer = setup_tokenizer(cfg)
         model_cfg, params = setup_model(cfg, tokenizer, mesh)
         reward = make_reward(cfg)
@@ -203,7 +205,14 @@ def train(
             sampler.set_state(extras["sampler"])
             log.info("resumed from step %d of %s", start, ckpt.directory)
         # After the restore: it may fall back to an older step (the log is cut there).
-        logger = MetricsLogger(run_dir, total_steps=t.steps, desc=t.run_name, start_step=start)
+        logger = MetricsLogger(
+            run_dir,
+            total_steps=t.steps,
+            desc=t.run_name,
+            start_step=start,
+            tensorboard="tensorboard" in t.loggers,
+            trackers=opened,
+        )
         metrics = rl_loop.run_steps(
             cfg,
             trainer=trainer,
@@ -222,10 +231,13 @@ def train(
             summary["after"] = run_eval(cfg, sampler, trainer.params, evals, reward, t.steps)
         summary["plot"] = str(logger.plot() or "")
         summary.update(params=trainer.params, model_config=model_cfg, tokenizer=tokenizer)
+        done = True
         return summary
     finally:
         if logger is not None:
-            logger.close()
+            logger.close(failed=not done)  # ends the trackers' runs too
+        else:
+            trackers.close_trackers(opened, failed=True)
         ckpt.close()
         close_tools(tools)
         close_episodes(episodes)

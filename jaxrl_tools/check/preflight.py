@@ -31,6 +31,7 @@ from jaxrl_tools.check.setup import (
 )
 from jaxrl_tools.config import ConfigError, RunConfig
 from jaxrl_tools.rollout.kernels import next_pow2
+from jaxrl_tools.train.trackers import check_installed
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,7 @@ def preflight(cfg: RunConfig, *, needs_eval: bool = False) -> dict[str, Any]:
     t = cfg.trainer
     check_writable(t.checkpoint_dir, "trainer.checkpoint_dir")
     check_writable(t.log_dir, "trainer.log_dir")
+    check_installed(t.loggers)  # wandb / mlflow: the `trackers` extra
     # Last, the one check that may write (a tiny model's tokenizer, where train would build it).
     tokenizer = setup.setup_tokenizer(cfg)
     lengths = check_prompt_lengths(cfg, tokenizer, splits, tools_schema(cfg, built))
@@ -201,7 +203,9 @@ def preflight(cfg: RunConfig, *, needs_eval: bool = False) -> dict[str, Any]:
         "steps": f"{t.steps} RL steps, checkpoint every {t.checkpoint_every or t.steps} (keep "
         f"{t.keep_checkpoints}), eval every {t.eval_every or '-'}, resume "
         + ("on" if t.resume else "off"),
-        "outputs": f"checkpoints {t.checkpoint_dir}, logs {t.log_dir} (both writable)",
+        "outputs": f"checkpoints {t.checkpoint_dir}, logs {t.log_dir} (both writable); "
+        f"loggers {', '.join(t.loggers)}"
+        + (f", samples every {t.log_samples_every} steps" if t.log_samples_every else ""),
         "warnings": warnings,
     }
 

@@ -197,6 +197,46 @@ class CriticSection:
         _check(self.pretrain_steps >= 0, "critic.pretrain_steps", "must be >= 0")
 
 
+# `trainer.loggers`: where step metrics go. jsonl (metrics.jsonl) cannot be left out: a resumed
+# run reads it back (its records up to the checkpoint, and the end-of-run plot from them).
+LOGGERS = ("tensorboard", "jsonl", "wandb", "mlflow")
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass(frozen=True)
+class WandbSection:
+    """Weights & Biases (`trainer.loggers: [..., wandb]`); the run is named `trainer.run_name`
+    and its files go under `trainer.log_dir/wandb`."""
+
+    project: str = "jaxrl-tools"
+    entity: str | None = None  # null: the logged-in user's default entity
+    # online | offline (no network; `wandb sync` later) | disabled; null: WANDB_MODE if set,
+    # else online (as wandb itself decides).
+    mode: str | None = None
+    tags: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        _check(bool(self.project), "trainer.wandb.project", "must be non-empty")
+        if self.mode is not None:
+            _check_choice(self.mode, "trainer.wandb.mode", WANDB_MODES)
+
+
+@dataclass(frozen=True)
+class MlflowSection:
+    """MLflow (`trainer.loggers: [..., mlflow]`)."""
+
+    # null: MLFLOW_TRACKING_URI if set, else a local file store in `trainer.log_dir/mlruns`.
+    tracking_uri: str | None = None
+    experiment: str | None = None  # null: `trainer.run_name`
+
+    def __post_init__(self):
+        _check(
+            self.experiment is None or bool(self.experiment),
+            "trainer.mlflow.experiment",
+            "must be non-empty (or null for trainer.run_name)",
+        )
+
+
 @dataclass(frozen=True)
 class TrainerSection:
     """The outer loop: steps, seed, mesh, checkpoints, logs, evaluation."""
@@ -223,9 +263,26 @@ class TrainerSection:
     # checkpoint stays good: lower optim.lr and --resume); "skip_step" drops that update, keeps
     # the state before it and counts it in actor/skipped_updates (critic/skipped_updates).
     on_nonfinite: str = "stop"
+    # Where step metrics go (process 0 only): tensorboard, jsonl (`metrics.jsonl`, always on: a
+    # resumed run reads it back), wandb, mlflow (those two: `pip install 'jaxrl-tools[trackers]'`).
+    loggers: tuple[str, ...] = ("tensorboard", "jsonl")
+    wandb: WandbSection = field(default_factory=WandbSection)
+    mlflow: MlflowSection = field(default_factory=MlflowSection)
+    # Every N steps, that step's rollouts as (prompt, response, reward) rows: `samples.jsonl` in
+    # log_dir, and a table in wandb / mlflow; 0 = off.
+    log_samples_every: int = 0
 
     def __post_init__(self):
         _check(self.steps >= 0, "trainer.steps", "must be >= 0")
+        for name in self.loggers:
+            _check_choice(name, "trainer.loggers", LOGGERS)
+        _check(
+            "jsonl" in self.loggers,
+            "trainer.loggers",
+            f"must include jsonl (got {list(self.loggers)}): metrics.jsonl is always written, "
+            "a resumed run reads it back; add jsonl to the list",
+        )
+        _check(self.log_samples_every >= 0, "trainer.log_samples_every", "must be >= 0 (0 = off)")
         _check_choice(self.on_nonfinite, "trainer.on_nonfinite", ("stop", "skip_step"))
         _check(
             self.mesh == "auto" or re.fullmatch(r"\d+x\d+x\d+", self.mesh) is not None,

@@ -1,8 +1,10 @@
-"""Run metrics: a jsonl file, TensorBoard, a console progress bar, and a PNG plot at the end;
-summaries written as JSON."""
+"""Run metrics: a jsonl file, TensorBoard, experiment trackers (`train.trackers`), a console
+progress bar, and a PNG plot at the end; rollout samples as rows; summaries written as JSON."""
 
 import json
+import logging
 import math
+import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -13,6 +15,9 @@ from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
 
 from jaxrl_tools.sharding import is_main_process
+from jaxrl_tools.train.trackers import Tracker, close_trackers
+
+log = logging.getLogger(__name__)
 
 # The curves of the end-of-run plot, when present.
 PLOT_KEYS = (
@@ -49,8 +54,27 @@ def _scalar(value) -> float | None:
         return None
 
 
+def _keep_until(path: Path, start_step: int) -> list[dict]:
+    """Rewrites a jsonl log with only its records of steps 1..start_step (none for 0: a new
+    log); returns them."""
+    kept = []
+    if start_step and path.is_file():
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                record = json.loads(line) if line.strip() else {}
+                if 0 < record.get("step", 0) <= start_step:
+                    kept.append(record)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:  # no step twice after a resume
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, path)
+    return kept
+
+
 class MetricsLogger:
-    """Writes one record per step to `log_dir/metrics.jsonl` and TensorBoard.
+    """Writes one record per step to `log_dir/metrics.jsonl` (always: a resumed run reads it
+    back), TensorBoard and the experiment trackers given; rollout samples to
+    `log_dir/samples.jsonl` and the trackers' tables.
 
     Only process 0 writes; other processes accept calls and do nothing, so callers need no
     branches.
@@ -61,8 +85,10 @@ class MetricsLogger:
       tensorboard: also write TensorBoard event files.
       progress: show a tqdm progress bar on the console.
       start_step: the step a resumed run continues from: records of later steps (logged after
-        its last checkpoint) are dropped from the file, earlier ones kept for the plot, and the
+        its last checkpoint) are dropped from the files, earlier ones kept for the plot, and the
         progress bar starts there. 0 starts a new log.
+      trackers: started experiment trackers (`trackers.open_trackers`), ended by `close`. A
+        tracker's error while logging is a warning: metrics.jsonl keeps the record.
     """
 
     def __init__(
@@ -74,23 +100,22 @@ class MetricsLogger:
         progress: bool = True,
         start_step: int = 0,
         desc: str = "train",
+        trackers: Sequence[Tracker] = (),
     ):
         self.log_dir = Path(log_dir)
         self.active = is_main_process()
         self.history: list[dict[str, float]] = []
-        self._tb = self._bar = self._file = None
+        self.trackers = list(trackers)
+        self._tb = self._bar = self._file = self._samples = None
         if not self.active:
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
         path = self.log_dir / "metrics.jsonl"
-        if start_step and path.is_file():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                record = json.loads(line) if line.strip() else {}
-                if 0 < record.get("step", 0) <= start_step:
-                    self.history.append(record)
-        with path.open("w", encoding="utf-8") as f:  # rewritten: no step twice after a resume
-            f.writelines(json.dumps(r) + "\n" for r in self.history)
+        self.history = _keep_until(path, start_step)
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        samples = self.log_dir / "samples.jsonl"
+        if samples.is_file():
+            _keep_until(samples, start_step)
         if tensorboard:
             self._tb = SummaryWriter(str(self.log_dir / "tensorboard"))
         if progress:
@@ -116,7 +141,38 @@ class MetricsLogger:
             shown = {k.split("/")[-1]: f"{record[k]:.3g}" for k in PLOT_KEYS[:4] if k in record}
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1)
+        values = {k: v for k, v in record.items() if k not in ("step", "time")}
+        for tracker in self.trackers:
+            try:
+                tracker.log(int(step), values, record["time"])
+            except Exception as e:  # a tracker's outage does not stop training
+                log.warning("%s: step %d not logged: %s", tracker.name, step, e)
         return record
+
+    def log_samples(self, step: int, rows: Sequence[Mapping]) -> list[dict]:
+        """Records rollout samples of `step`: rows with "prompt", "response" and "reward",
+        written to `log_dir/samples.jsonl` (with their step) and as a table to the trackers."""
+        rows = [  # the columns of trackers.SAMPLE_COLUMNS
+            {
+                "step": int(step),
+                "prompt": str(r.get("prompt", "")),
+                "response": str(r.get("response", "")),
+                "reward": _scalar(r.get("reward")),
+            }
+            for r in rows
+        ]
+        if not self.active or not rows:
+            return rows
+        if self._samples is None:
+            self._samples = open(self.log_dir / "samples.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._samples.writelines(json.dumps(r) + "\n" for r in rows)
+        self._samples.flush()
+        for tracker in self.trackers:
+            try:
+                tracker.log_samples(int(step), rows)
+            except Exception as e:
+                log.warning("%s: samples of step %d not logged: %s", tracker.name, step, e)
+        return rows
 
     def plot(self, path: str | Path | None = None, keys: Sequence[str] = PLOT_KEYS) -> Path | None:
         """Writes a PNG with one panel per main curve; returns its path."""
@@ -148,10 +204,15 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.flush()
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """Closes the files and ends the trackers' runs (`failed`: marked as failed)."""
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
         if self._file is not None:
             self._file.close()
+        if self._samples is not None:
+            self._samples.close()
+        close_trackers(self.trackers, failed=failed)
+        self.trackers = []

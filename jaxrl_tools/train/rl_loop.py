@@ -52,6 +52,7 @@ def run_steps(
     group_size = cfg.rollout.group_size
     # ReMax's baseline: a greedy rollout per prompt, when the estimator reads one.
     greedy = "baseline_B" in algorithms.estimator_inputs(cfg.algorithm.adv_estimator)
+    every = t.log_samples_every
 
     def rollout(step: int, params) -> tuple[Any, float]:
         """Step `step`'s batch, sampled with `params`, and the time it took."""
@@ -64,6 +65,7 @@ def run_steps(
             reward, cfg.algorithm.filters,
             group_size=group_size, rows=cfg.data.batch_size * group_size, pad_id=pad_id,
             greedy_baseline=greedy, turn_rows=trainer.rows, step=step,
+            samples=bool(every) and step % every == 0,
         )  # fmt: skip
         batch.metrics.update(sampler.take_metrics())
         return batch, time.perf_counter() - t0
@@ -78,6 +80,7 @@ def run_steps(
                 else:
                     (batch, rollout_s), staleness = rollout(step, trainer.params), 0
                 wait_s = time.perf_counter() - t0
+                samples = batch.metrics.pop("_samples", None)  # rows, not a metric
                 streams = None  # with a batch sampled ahead: the data and sampler streams before it
                 if ahead is not None and step < t.steps and stop.signum is None:
                     streams = {"data": loader.get_state(), "sampler": sampler.state()}
@@ -102,6 +105,8 @@ def run_steps(
                     metrics.update({f"eval/{k}": v for k, v in public(ev).items()})
                 if step % t.log_every == 0 or step == t.steps:
                     logger.log(step, metrics)
+                if samples:
+                    logger.log_samples(step, samples)
                 # What a resumed run continues from (a batch sampled ahead is sampled again).
                 extras = streams or {"data": loader.get_state(), "sampler": sampler.state()}
                 extras["metrics"] = public(metrics)

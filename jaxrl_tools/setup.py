@@ -23,7 +23,7 @@ from jaxrl_tools import envs, models, prompts, records, sharding
 from jaxrl_tools.config import ConfigError, RunConfig, TrainerSection
 from jaxrl_tools.demo.tokenizer import build_mismatch, build_tokenizer
 from jaxrl_tools.rewards import CompositeReward
-from jaxrl_tools.tools import SandboxPool, create_tool
+from jaxrl_tools.tools import McpServer, SandboxPool, create_tool
 from jaxrl_tools.train.checkpoint import Checkpointer
 
 log = logging.getLogger(__name__)
@@ -200,14 +200,25 @@ def import_adapters(cfg: RunConfig, model_cfg) -> Any:
 
 
 def setup_tools(cfg: RunConfig) -> list:
-    """The tools the config declares, started (the Python tool's worker pool starts here)."""
+    """The tools the config declares, started (the Python tool's worker pool starts here; an MCP
+    server starts here and declares each of its tools as a tool of its own)."""
     tools = []
-    for spec in cfg.tools:
-        tool = create_tool(spec.cls, dict(spec.config))
-        tool.name = spec.name or tool.name
-        tools.append(tool)
-    for tool in tools:
-        tool.start()
+    try:
+        for i, spec in enumerate(cfg.tools):
+            tool = create_tool(spec.cls, dict(spec.config))
+            if isinstance(tool, McpServer):  # one server, several tools; `name` prefixes them
+                try:
+                    tools += tool.tools(prefix=spec.name)
+                except ValueError as e:
+                    raise ConfigError(f"tools[{i}] (mcp): {e}") from None
+                continue
+            tool.name = spec.name or tool.name
+            tools.append(tool)
+        for tool in tools:
+            tool.start()
+    except BaseException:
+        close_tools(tools)  # the servers started so far
+        raise
     return tools
 
 

@@ -32,6 +32,14 @@ EXTRA_ONLY = {
     "torch": "repro",
     "trl": "repro",
     "datasets": "repro",
+    "wandb": "trackers",
+    "mlflow": "trackers",
+    "mcp": "mcp",
+    "anyio": "mcp",
+    "openai": "agents",
+    "httpx": "agents",
+    "starlette": "agents",
+    "uvicorn": "agents",
 }
 HEAVY = ("jetstream", "tensorflow", "seqio")  # what the training path must not import
 # Distributions the core install must not pull in, even transitively: TensorFlow (~2 GB, via

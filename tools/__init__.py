@@ -10,6 +10,7 @@ Public API (see each module's docstring):
   SandboxPool, ExecResult, run_code, run_code_sync, make_http_server (pool; Sandbox Fusion)
   PythonTool, SearchTool, BM25Index, CalculatorTool, safe_eval, function_tool
   WebSearchTool, BrowseTool, WebBackend, LocalPages, SearchHit (DeepResearcher: browse)
+  McpServer ("mcp": a server's tools, one McpTool each)     (mcp; needs the `mcp` extra)
 """
 
 from jaxrl_tools.tools.base import (
@@ -27,6 +28,7 @@ from jaxrl_tools.tools.browse import BrowseTool, LocalPages, SearchHit, WebBacke
 from jaxrl_tools.tools.calculator import CalculatorError, CalculatorTool, safe_eval
 from jaxrl_tools.tools.executor import ToolExecutor, validate_arguments
 from jaxrl_tools.tools.functions import FunctionTool, function_tool
+from jaxrl_tools.tools.mcp import McpServer, McpTool
 from jaxrl_tools.tools.parsers import (
     PARSERS,
     Parser,
@@ -81,6 +83,8 @@ __all__ = [
     "format_passages",
     "function_tool",
     "LocalPages",
+    "McpServer",
+    "McpTool",
     "SearchHit",
     "get_parser",
     "last_traceback_line",

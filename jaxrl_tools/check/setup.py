@@ -25,8 +25,10 @@ WRITE_PROBE_TIMEOUT_S = 10.0
 
 
 def build_tools(cfg: RunConfig) -> list[tools.Tool]:
-    """The config's tools, built and not started (no worker pool, no index)."""
+    """The config's tools, built and not started (no worker pool, no index; an MCP server is
+    started to list its tools, one tool each, and stopped)."""
     built = []
+    declared: dict[str, str] = {}  # tool name -> the entry declaring it
     for i, spec in enumerate(cfg.tools):
         where = f"tools[{i}]"
         for key, value in spec.config.items():
@@ -37,10 +39,25 @@ def build_tools(cfg: RunConfig) -> list[tools.Tool]:
                 )
         try:
             tool = tools.create_tool(spec.cls, dict(spec.config))
+            if isinstance(tool, tools.McpServer):  # listed from the server, which then stops
+                try:
+                    new = tool.tools(prefix=spec.name)
+                finally:
+                    tool.stop()
+            else:
+                tool.name = spec.name or tool.name
+                new = [tool]
         except (ValueError, TypeError) as e:
             raise ConfigError(f"{where} ({spec.cls}): {e}") from None
-        tool.name = spec.name or tool.name
-        built.append(tool)
+        for t in new:  # an MCP server's names, which the config's own check cannot see
+            if t.name in declared:
+                raise ConfigError(
+                    f"{where} ({spec.cls}) declares a tool {t.name!r}, as {declared[t.name]} "
+                    "does: give the mcp entry a name (its tools are then declared as "
+                    "<name>_<tool>) or list the tool in its exclude"
+                )
+            declared[t.name] = where
+        built += new
     return built
 
 

@@ -85,6 +85,10 @@ class Trajectory:
         a trajectory of its own (its windowed prompt, that turn's tokens): what is trained.
         The episode itself then holds the first prompt and every turn's tokens back to back
         (no observations), for rewards and statistics. None: the episode is one sequence.
+        An agent's episode (`rollout.agent`) whose history was rewritten holds its samples here
+        the same way.
+      agent_reward: the reward an agent written as client code returned (`rollout.agent`);
+        None: the recipe's reward scores the trajectory.
     """
 
     prompt_index: int
@@ -104,6 +108,7 @@ class Trajectory:
     model_text: str = ""
     env_seed: int | None = None
     turns: list[Trajectory] | None = None
+    agent_reward: float | None = None
 
     @property
     def token_ids(self) -> list[int]:

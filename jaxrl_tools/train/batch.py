@@ -77,6 +77,18 @@ def score_trajectories(
     group_ids = [i // group_size for i in range(len(trajectories))]
     gts = [records[g].get("ground_truth") for g in group_ids]
     texts = [t.model_text for t in trajectories]
+    returned = [t.agent_reward is not None for t in trajectories]
+    if any(returned):  # agents written as client code score their own episodes
+        if not all(returned):
+            i = returned.index(False)
+            rec = records[group_ids[i]]
+            raise RewardError(
+                f"record {rec.get('id', group_ids[i])}, sample {i % group_size}: the agent "
+                "returned no reward where others did; return one from every run, or none",
+                i,
+            )
+        scores = np.asarray([t.agent_reward for t in trajectories], np.float32)
+        return scores, {"agent": scores}
     try:
         return reward.batch(texts, gts, infos, group_ids=group_ids)
     except RewardError as e:  # name the record and sample, and stop the run
@@ -365,6 +377,7 @@ def collect_batch(
     greedy_baseline: bool = False,
     turn_rows: int | None = None,
     step: int | None = None,
+    samples: bool = False,
 ) -> Batch:
     """One update's batch, sampled in rounds: each round draws `next_records()` and samples
     them with `sample(records, group_size)`; kept groups accumulate until `rows // group_size`
@@ -378,7 +391,8 @@ def collect_batch(
 
     Metrics: the rollout statistics over every sampled trajectory, `filter/sampling_rounds`,
     `filter/kept_groups_frac` (kept / sampled groups) and `filter/batch_fill` (kept groups /
-    groups of a full batch).
+    groups of a full batch). With `samples`, also "_samples" (private: not a scalar): every
+    sampled trajectory as {"prompt", "response", "reward"}, G consecutive ones per prompt.
     """
     need = rows // group_size
     max_rounds = filters.max_sampling_rounds if filters.dynamic_sampling else 1
@@ -388,6 +402,7 @@ def collect_batch(
     sampled: list[Trajectory] = []
     all_scores: list[np.ndarray] = []
     all_parts: dict[str, list] = {}
+    rows_out: list[dict] = []
     rounds = groups_seen = 0
     while rounds < max_rounds and len(kept_records) < need:
         records = list(next_records())
@@ -399,6 +414,15 @@ def collect_batch(
         all_scores.append(scores)
         for name, values in parts.items():
             all_parts.setdefault(name, []).extend(np.asarray(values).tolist())
+        if samples:
+            rows_out += [
+                {
+                    "prompt": records[i // group_size].get("prompt"),
+                    "response": t.response_text,
+                    "reward": float(scores[i]),
+                }
+                for i, t in enumerate(trajs)
+            ]
         for g in filter_groups(scores, group_size, filters)[: need - len(kept_records)]:
             kept.extend(trajs[g * group_size : (g + 1) * group_size])
             kept_scores.append(scores[g * group_size : (g + 1) * group_size])
@@ -408,6 +432,8 @@ def collect_batch(
     metrics["filter/kept_groups_frac"] = len(kept_records) / max(1, groups_seen)
     metrics["filter/batch_fill"] = len(kept_records) / max(1, need)
     metrics["rollout/tokens"] = float(sum(len(t.response_ids) for t in sampled))
+    if samples:
+        metrics["_samples"] = rows_out
     base = None
     if greedy_baseline and kept_records:
         base = np.repeat(greedy_baselines(sample, kept_records, reward, step), group_size)

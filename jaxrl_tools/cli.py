@@ -139,6 +139,22 @@ def _dispatch(args, cfg) -> int | None:
         report = _plan(cfg, args)
         print("\n".join(report.lines()))
         return 0 if report.fits else 1
+    elif args.command == "serve" and args.openai:
+        from jaxrl_tools.gateway import server  # noqa: PLC0415  (the [agents] extra)
+
+        if args.tools:
+            raise ConfigError(
+                "serve --openai --tools: with --openai the client runs the tools it declares "
+                "(tool calls come back as tool_calls); drop --tools"
+            )
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            server.serve_openai(
+                cfg, from_checkpoint=args.checkpoint, step=args.step, host=args.host, port=args.port
+            )
+        except KeyboardInterrupt:
+            print("jaxrl-tools: serve stopped (Ctrl-C)", file=sys.stderr, flush=True)
+            return 130
     elif args.command == "serve":
         from jaxrl_tools import serve  # noqa: PLC0415  (the [serve] extra)
 
@@ -293,6 +309,12 @@ def main(argv=None) -> int:
         "--tools",
         action="store_true",
         help="run the recipe's tools server-side, in the sandbox (the agent loop per request)",
+    )
+    p.add_argument(
+        "--openai",
+        action="store_true",
+        help="serve an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+        "/v1/models) instead of gRPC; tool calls come back as tool_calls (the [agents] extra)",
     )
     p = command("sft", "the SFT stage alone; writes a Hugging Face folder")
     p.add_argument("--out", required=True)

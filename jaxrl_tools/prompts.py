@@ -62,6 +62,16 @@ def prompt_messages(record: Mapping[str, Any], system_prompt: str | None = None)
     return msgs
 
 
+def record_tools(record: Mapping[str, Any], tools_schema: Any = None) -> list[dict] | None:
+    """The tool declarations a record's prompt is rendered with (`select_tools`; without
+    `tools_schema`, the full schemas a record may carry itself)."""
+    if tools_schema is not None:
+        return select_tools(record.get("tools"), tools_schema)
+    if record.get("tools") and all(isinstance(t, Mapping) for t in record["tools"]):
+        return [dict(t) for t in record["tools"]]
+    return None
+
+
 def render_prompt(
     tokenizer,
     record: Mapping[str, Any],
@@ -80,14 +90,9 @@ def render_prompt(
     Returns:
       The prompt text (tokenize with add_special_tokens=False).
     """
-    tools = select_tools(record.get("tools"), tools_schema) if tools_schema is not None else None
-    if tools_schema is None and record.get("tools"):
-        # A record may carry full schemas itself.
-        if all(isinstance(t, Mapping) for t in record["tools"]):
-            tools = [dict(t) for t in record["tools"]]
     return tokenizer.apply_chat_template(
         prompt_messages(record, system_prompt),
-        tools=tools,
+        tools=record_tools(record, tools_schema),
         tokenize=False,
         add_generation_prompt=True,
     )

@@ -253,3 +253,59 @@ def test_ctrl_c_stops_serve_with_one_line(run_yaml, tmp_path, inherited):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert err.strip().splitlines()[-1] == "jaxrl-tools: serve stopped (Ctrl-C)"
     assert proc.returncode == 128 + signal.SIGINT
+
+
+def test_openai_api_serves_the_engines_greedy_tokens(run_yaml, served, tmp_path):
+    """`serve --openai`: the official client (sync, streamed and not) gets the greedy tokens of
+    the same engine run directly, as text and as the token-id extension fields; a malformed
+    request is a 400 naming its field and the server goes on; Ctrl-C stops it with one line."""
+    openai = pytest.importorskip("openai")
+    _, engine, params, tokenizer = served
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxrl_tools.cli", "serve", "--openai", "--config", str(run_yaml)]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    ready = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            if "OpenAI API on" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(180), "serve --openai did not start"
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+        messages = [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "what is 2 + 3?"},
+        ]
+        ids = prompts.encode_prompt(tokenizer, {"prompt": messages}, None)
+        want = stop_at_eos(greedy(engine, params, ids), engine)
+        r = client.chat.completions.create(
+            model="any", messages=messages, max_tokens=N, temperature=0, logprobs=True
+        )
+        choice = r.choices[0]
+        assert (
+            choice.model_extra["token_ids"] == want
+            and choice.model_extra["prompt_token_ids"] == ids
+        )
+        assert choice.message.content == tokenizer.decode(want)
+        assert choice.finish_reason == "length" and r.usage.completion_tokens == N
+        assert len(choice.logprobs.content) == N
+        streamed = client.chat.completions.create(
+            model="any", messages=messages, max_tokens=N, temperature=0, stream=True
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        assert text == choice.message.content
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            client.chat.completions.create(model="any", messages=messages, temperature=-1)
+        assert [m.id for m in client.models.list().data]  # and it still serves
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "jaxrl-tools: serve stopped (Ctrl-C)"

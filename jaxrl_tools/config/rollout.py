@@ -44,6 +44,14 @@ class RolloutSection:
     tool_concurrency: int = 8
     eval_temperature: float = 0.0  # 0 = greedy
     eval_group_size: int = 1
+    # An agent written as client code, "package.module:function" (rollout.agents): an async
+    # function(client, record) on an in-process OpenAI client over the policy. null: the
+    # built-in loop (protocol, tools, environment).
+    agent: str | None = None
+    # Samples one agent run may make: a request that does not continue the run's context (a
+    # rewritten history) starts another, trained as a row of its own with the run's advantage;
+    # past this many it is refused (HTTP 400). Above 1, the update has this many rows per run.
+    agent_max_samples: int = 1
 
     def __post_init__(self):
         _check_choice(self.protocol, "rollout.protocol", PROTOCOLS)
@@ -65,6 +73,7 @@ class RolloutSection:
             "max_obs_tokens",
             "tool_concurrency",
             "eval_group_size",
+            "agent_max_samples",
         )
         _check(self.max_tool_calls >= 0, "rollout.max_tool_calls", "must be >= 0")
         _check(
@@ -73,6 +82,11 @@ class RolloutSection:
             f"must be >= 0 or null, got {self.max_parked}",
         )
         _check(self.tool_timeout_s > 0, "rollout.tool_timeout_s", "must be > 0")
+        _check(
+            self.agent is None or re.fullmatch(r"[\w.]+:\w+", self.agent) is not None,
+            "rollout.agent",
+            f"must look like 'package.module:function' or null, got {self.agent!r}",
+        )
         _check(
             self.mesh is None or re.fullmatch(r"\d+x\d+x\d+", self.mesh) is not None,
             "rollout.mesh",

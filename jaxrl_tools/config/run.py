@@ -134,8 +134,11 @@ class RunConfig:
     @property
     def update_rows(self) -> int:
         """Sequences in one update: prompts x G; with windowed history (a row per turn),
-        x `env.max_turns`."""
+        x `env.max_turns`; with an agent that may rewrite its history, x
+        `rollout.agent_max_samples`."""
         rows = self.data.batch_size * self.rollout.group_size
+        if self.rollout.agent is not None:
+            return rows * self.rollout.agent_max_samples
         return rows * self.env.max_turns if self.env.windowed else rows
 
     @property

@@ -9,12 +9,16 @@
   decoding on exactly as if it had stayed. `RolloutLimits.max_parked` bounds the rows aside.
 - `resolver.Resolver` decides what an ended segment becomes (tool observation, environment
   step, budget notice, finish; see there for the rules and the finish reasons).
-- the driver here (`_Driver.run`) turns those decisions into engine calls, one pass at a time:
+- the driver here (`Driver.run`) turns those decisions into engine calls, one pass at a time:
   apply the observations that arrived, park / unpark / admit, decode one chunk of
   `chunk_size` steps for every active slot (off the event loop, so tool tasks keep running),
   then scan each slot's new tokens (`stops.scan_chunk`: EOS ids and stop strings, which may
   end inside a token; generation is never re-tokenised) and hand ended segments to the
   resolver, whose tool calls and environment steps run as asyncio tasks.
+
+The same driver serves requests that arrive while it runs (`Driver.add`, `open`): the OpenAI
+gateway's sequences and the episodes of agents written as client code (`jaxrl_tools.gateway`),
+with a resolver of their own for what an ended segment becomes.
 
 The driver speaks JetStream's Engine API, so the RL loop decodes on any engine with these
 calls (`EngineCore`, or `rollout.jetstream.DecodeEngine`, the same engine as a
@@ -176,7 +180,7 @@ async def arun_rollouts(
         max_response_tokens=limits.max_response_tokens,
         ctx_limit=ctx_limit,
     )
-    driver = _Driver(
+    driver = Driver(
         engine,
         params,
         samples,
@@ -202,8 +206,13 @@ async def arun_rollouts(
     return done
 
 
-class _Driver:
-    """One rollout's passes over the engine (see the module docstring)."""
+class Driver:
+    """One rollout's passes over the engine (see the module docstring).
+
+    Samples may be added while it runs (`add`); with `open` set it keeps running while it has
+    nothing to do, until `close()`. A sample's own settings (`Sample.sampling`, `stops`,
+    `max_new`) override the driver's for it.
+    """
 
     def __init__(
         self,
@@ -222,6 +231,8 @@ class _Driver:
         self.resolver, self.limits, self.sampling = resolver, limits, sampling
         self.eos, self.tool_stops, self.final_stops = eos, tool_stops, final_stops
         self.sched = SlotScheduler(len(samples), engine.slots, limits.max_parked)
+        self.open = False  # keep running when idle: samples will be added (`add`, `close`)
+        self._wake = asyncio.Event()
         # sample -> its tool / environment task; None where another process runs it
         self.tasks: dict[int, asyncio.Task | None] = {}
         self.arrived: dict[int, Append] = {}  # observations waiting for a parked sample's slot
@@ -233,8 +244,25 @@ class _Driver:
         self.generate_s = 0.0
         self.state = engine.init_decode_state()
 
+    def add(self, sample: Sample) -> None:
+        """Queues a sample while the driver runs; its `index` must be `len(samples)`."""
+        assert sample.index == len(self.samples), (sample.index, len(self.samples))
+        self.samples.append(sample)
+        self.group[sample.prefix_key] += 1
+        self.sched.queue.append(sample.index)
+        self._wake.set()
+
+    def close(self) -> None:
+        """No more samples: `run` returns once those it has are done."""
+        self.open = False
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Something the driver waits on changed (a result arrived outside its tasks)."""
+        self._wake.set()
+
     async def run(self) -> list[Trajectory]:
-        while self.sched.busy:
+        while self.sched.busy or self.open:
             appends = await self._take_results()
             self._schedule(appends)
             active = self.sched.active()
@@ -298,16 +326,16 @@ class _Driver:
         if self.shared:
             n_proc, me = jax.process_count(), jax.process_index()
             s.owned = slot * n_proc // self.engine.slots == me
-        pi = s.traj.prompt_index
+        pi = s.prefix_key
         if pi not in self.prefixes:
-            self.prefixes[pi] = [self._prefill(s.traj.prompt_ids, s.key), self.group[pi]]
+            self.prefixes[pi] = [self._prefill(s.traj.prompt_ids, s), self.group[pi]]
         entry = self.prefixes[pi]
         self.state = self.engine.insert(entry[0], self.state, slot, rng=s.key, seq_id=s.index)
         entry[1] -= 1
         if entry[1] == 0:
             del self.prefixes[pi]
 
-    def _prefill(self, ids: list[int], key):
+    def _prefill(self, ids: list[int], s: Sample):
         """Engine API prefill, in pieces of `max_prefill_length` for a longer prompt (each
         continues the cache of the ones before)."""
         prefix, step = None, self.engine.max_prefill_length
@@ -318,18 +346,24 @@ class _Driver:
                 existing_prefix=prefix,
                 padded_tokens=part,
                 true_length=len(part),
-                sampling=self.sampling,
-                rng=key,
+                sampling=s.sampling or self.sampling,
+                rng=s.key,
             )
         return prefix
 
     async def _wait_for_tasks(self) -> None:
-        """No slot decodes: wait for a task of this process (with several processes, a short
-        wait, then the next pass agrees on what the others finished)."""
-        mine = [t for t in self.tasks.values() if t is not None]
-        if mine:
+        """No slot decodes: wait for a task of this process, or (open) for a new sample (with
+        several processes, a short wait, then the next pass agrees on what the others
+        finished)."""
+        waits = [t for t in self.tasks.values() if t is not None]
+        if self.open or not self.sched.busy:
+            self._wake.clear()
+            waits.append(asyncio.ensure_future(self._wake.wait()))
+        if waits:
             timeout = 0.05 if self.shared else None
-            await asyncio.wait(mine, return_when=asyncio.FIRST_COMPLETED, timeout=timeout)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED, timeout=timeout)
+            if waits[-1] not in self.tasks.values():
+                waits[-1].cancel()
 
     # ------------------------------------------------------------------ 3) decode
     async def _decode(self, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -353,21 +387,25 @@ class _Driver:
         """Keeps the sample's new tokens up to its stop; an ended segment finishes it or
         starts its tool / environment task."""
         s = self.samples[i]
+        room = self.limits.max_response_tokens - len(s.traj.response_ids)
+        if s.max_new is not None:
+            room = min(room, s.max_new - len(s.seg_tokens))
         keep, reason, stop_end = scan_chunk(
             toks,
             segment=s.seg_tokens,
             decode=self.resolver.decode if self.resolver.tokenizer is not None else None,
             eos_ids=self.eos,
             tool_stops=self.tool_stops,
-            final_stops=self.final_stops,
-            room=self.limits.max_response_tokens - len(s.traj.response_ids),
+            final_stops=self.final_stops if s.stops is None else s.stops,
+            room=room,
             context=self.resolver.ctx_limit - s.length,
         )
         s.add_model(toks[:keep], lps[:keep])
+        if s.on_tokens is not None and keep:
+            s.on_tokens(toks[:keep], [float(x) for x in lps[:keep]])
         if reason is None:
             return
-        out = Finish(reason) if reason in ("length", "budget") else None
-        out = out or self.resolver.end_segment(s, reason, stop_end)
+        out = self.resolver.end_segment(s, reason, stop_end)
         if isinstance(out, Finish):
             await self._finish(i, out.reason)
             return

@@ -70,6 +70,16 @@ class Sample:
         self.key = key
         self.index = index
         self.env = env
+        # The G samples of a prompt share its prefill; a request's sample has its own.
+        self.prefix_key: Any = traj.prompt_index
+        # A request's own settings (None: the driver's): sampling, final stop strings, tokens
+        # per segment, and a callback given each run of kept tokens (streaming).
+        self.sampling = None
+        self.stops: tuple[str, ...] | None = None
+        self.max_new: int | None = None
+        self.on_tokens: Callable[[list[int], list[float]], None] | None = None
+        self.reply: asyncio.Future | None = None  # a request's Completion, when it ends
+        self.episode: Any = None  # the agent run it belongs to (rollout.agents)
         self.owned = True  # this process runs its tools and environment (multi-controller)
         self.seg_start = 0  # response index where the current model segment began
         self.turns = 0
@@ -153,8 +163,11 @@ class Resolver:
     def end_segment(
         self, s: Sample, reason: str, stop_end: int | None
     ) -> Finish | Coroutine[Any, Any, Outcome]:
-        """After a segment ended with `reason` in {"tool", "eos", "stop"}: a Finish now, or a
-        coroutine (the tool calls or environment step) whose result is an Outcome."""
+        """After a segment ended with `reason` in {"tool", "eos", "stop", "length", "budget"}: a
+        Finish now, or a coroutine (the tool calls or environment step) whose result is an
+        Outcome."""
+        if reason in ("length", "budget"):
+            return Finish(reason)
         seg_text = self.decode(s.seg_tokens) if self.tokenizer is not None else ""
         if stop_end is not None:
             seg_text = seg_text[:stop_end]

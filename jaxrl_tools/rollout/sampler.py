@@ -115,6 +115,12 @@ class Sampler:
         self.tools_schema = executor.schemas() if function_calling else []
         self._calls = 0  # rollout keys drawn (`state()`: a resumed run continues the stream)
         self._parks, self._in_flight = 0, 0  # the agent loop's scheduling since take_metrics
+        self.agent = None
+        if settings.agent is not None:
+            from jaxrl_tools.rollout import agents  # noqa: PLC0415 -- openai, starlette: [agents]
+
+            self.agent = agents.load_agent(settings.agent)
+        self._agent_stats: dict = {}
 
     def state(self) -> dict:
         """What a checkpoint keeps of the sampler: how far its rollout stream has been drawn."""
@@ -143,6 +149,8 @@ class Sampler:
         else:
             key = seeds.call_key(self.seed, "eval", seed)
         env_factory, env_seeds = None, None
+        if self.agent is not None:
+            return self._agent_rollouts(records, group_size, params, sampling, key)
         if self.episodes is not None and self.episodes.windowed:
             return run_windowed(
                 self.engine,
@@ -184,6 +192,35 @@ class Sampler:
                 t.env_seed = env_seeds[t.prompt_index]
         return trajs
 
+    def _agent_rollouts(self, records, group_size, params, sampling, key) -> list[Trajectory]:
+        """The recipe's agent, G runs per record (`rollout.agents`); each record gets its prompt
+        as chat messages and the recipe's tool declarations."""
+        from jaxrl_tools.rollout import agents  # noqa: PLC0415 -- openai, starlette: [agents]
+
+        given = []
+        for rec in records:
+            self.encode_prompt(rec)  # a prompt over rollout.max_prompt_len: the same DataError
+            messages = prompts.prompt_messages(rec, self.system_prompt)
+            tools = prompts.record_tools(rec, self.tools_schema or None)
+            given.append({**rec, "messages": messages, "tool_schemas": tools or []})
+        stats = {}
+        trajs = agents.run_agent_rollouts(
+            self.engine,
+            params,
+            given,
+            self.agent,
+            tokenizer=self.tokenizer,
+            parser=get_parser(self.settings.protocol) if self.settings.protocol != "none" else None,
+            num_samples=group_size,
+            limits=self.limits,
+            sampling=sampling,
+            rng=key,
+            max_samples=self.settings.agent_max_samples,
+            stats=stats,
+        )
+        self._agent_stats = stats
+        return trajs
+
     def take_metrics(self) -> dict[str, float]:
         """The agent loop's scheduling since the last call (then reset): trajectories parked
         out of their slots while waiting on a tool, and the most in flight at once."""
@@ -192,6 +229,11 @@ class Sampler:
             "schedule/in_flight_max": float(self._in_flight),
         }
         self._parks, self._in_flight = 0, 0
+        if self._agent_stats:
+            st = self._agent_stats
+            out["agent/calls_per_run"] = st["calls"] / max(1, st["runs"])
+            out["agent/rewrites"] = float(st["rewrites"])
+            self._agent_stats = {}
         return out
 
     def encode_prompt(self, record: Record) -> list[int]:

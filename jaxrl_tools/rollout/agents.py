@@ -1,0 +1,330 @@
+"""Agents written as plain client code, trained token-in-token-out (`rollout.agent`).
+
+An agent is an async function `agent(client, record)`: `client` is the official
+`openai.AsyncOpenAI`, in process (httpx's ASGI transport, no socket), on the gateway's routes
+(`gateway.app`) over the policy being trained. The agent sends chat completions (tools
+declared, tool calls returned as OpenAI `tool_calls`), runs its tools, loops and branches as it
+likes, and returns its reward (a number, or a dict with "reward"), or None to be scored by the
+recipe's reward like a built-in rollout. The record it gets carries "messages" (its prompt as
+chat messages, with the recipe's system prompt) and "tool_schemas" (the recipe's tools).
+
+Every completion is a segment of a sample of the one rollout driver (`rollout.loop.Driver`),
+decoded with the recipe's sampling (a request's temperature and top_p do not change the
+behaviour policy) and token limits per request (max_tokens) and per episode
+(`rollout.max_response_len`). A request whose prompt ids extend the episode's context exactly
+(the gateway's chat keeps sampled turns token-exact: `gateway.chat`) continues it: the tokens in
+between are appended to the cached row (loss mask 0) and decoding goes on without a prefill.
+A request that does not (the agent rewrote or cut its history) starts another sample of the
+same episode; an episode of several samples is trained as `Trajectory.turns`, each sample a
+row with the episode's advantage, and counted in `agent/rewrites`.
+
+Group sampling runs the agent G times per record, concurrently. One process only: the agent is
+arbitrary code, and the multi-controller driver would need every process to run it alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import importlib
+import inspect
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from jaxrl_tools.config import ConfigError
+from jaxrl_tools.gateway.backend import BadRequest, Completion, Generation, OnTokens
+from jaxrl_tools.gateway.chat import TemplateChat
+from jaxrl_tools.gateway.engine_backend import EngineBackend, RequestResolver, completion_of
+from jaxrl_tools.rollout.loop import RolloutLimits
+from jaxrl_tools.rollout.resolver import Append, Finish, Sample
+from jaxrl_tools.rollout.sampling import SamplingParams
+from jaxrl_tools.types import Span, Trajectory
+
+Agent = Callable[[Any, dict], Any]
+
+
+class AgentError(RuntimeError):
+    """An agent raised, or made no model call: the run stops and names the record."""
+
+
+def load_agent(spec: str) -> Agent:
+    """The async function `spec` names ("package.module:function")."""
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise ConfigError(f"rollout.agent={spec!r}: give 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"rollout.agent={spec!r} cannot be loaded: {e}") from None
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"rollout.agent={spec!r} must be an async function(client, record)")
+    return fn
+
+
+class _Episode:
+    """One run of the agent: its samples (several when it rewrote its history)."""
+
+    def __init__(self, prompt_index: int, sample_index: int, key):
+        self.prompt_index, self.sample_index, self.key = prompt_index, sample_index, key
+        self.parts: list[Sample] = []
+        self.waiting: asyncio.Future | None = None  # the last part's next Outcome
+        self.last_reason = ""
+        self.rewrites = 0
+        self.calls = 0
+
+    def settle(self, outcome) -> None:
+        if self.waiting is not None and not self.waiting.done():
+            self.waiting.set_result(outcome)
+        self.waiting = None
+
+
+class _EpisodeResolver(RequestResolver):
+    """A request's segment ends: its completion goes back to the agent, and the sample waits
+    for the agent's next request (`_EpisodeBackend.generate`) or its end."""
+
+    def end_segment(self, s: Sample, reason: str, stop_end: int | None):
+        ep: _Episode = s.episode
+        done = completion_of(s, reason, stop_end, self.decode, s.stops or ())
+        ep.last_reason = reason
+        if reason == "budget":  # the context is full: nothing can follow
+            s.reply.set_result(done)
+            return Finish(reason)
+        ep.waiting = asyncio.get_running_loop().create_future()
+        s.reply.set_result(done)
+        return ep.waiting
+
+
+class _EpisodeBackend:
+    """The `Backend` one agent run sees: its requests continue its episode's sample or start
+    another one, all on the shared engine backend."""
+
+    def __init__(
+        self,
+        shared: EngineBackend,
+        chat: TemplateChat,
+        episode: _Episode,
+        sampling,
+        max_samples: int,
+    ):
+        self.shared, self.chat, self.episode, self.sampling = shared, chat, episode, sampling
+        self.max_samples = max_samples
+        self.tokenizer, self.model = shared.tokenizer, shared.model
+        self.max_context = shared.max_context
+
+    async def generate(self, gen: Generation, on_tokens: OnTokens | None = None) -> Completion:
+        ep, driver = self.episode, self.shared._running()
+        ep.calls += 1
+        ids = list(gen.prompt_ids)
+        last = ep.parts[-1] if ep.parts else None
+        if last is not None and ep.waiting is not None:
+            context = last.traj.token_ids
+            if len(ids) > len(context) and ids[: len(context)] == context:
+                known = self.chat.continuations.get(tuple(ids))
+                markup = known[1] if known is not None and known[0] == len(context) else ""
+                self._configure(last, gen, on_tokens)
+                ep.settle(Append(ids[len(context) :], None, markup))
+                driver.wake()
+                return await last.reply
+            if len(ep.parts) >= self.max_samples:
+                raise BadRequest(
+                    f"this run's history was rewritten (the messages do not continue what the "
+                    f"policy sampled) and it already has rollout.agent_max_samples="
+                    f"{self.max_samples} samples; raise it, or send the history as returned",
+                    "messages",
+                )
+            ep.rewrites += 1
+            ep.settle(Finish(ep.last_reason))
+            driver.wake()
+        key = jax.random.fold_in(ep.key, len(ep.parts))
+        traj = Trajectory(ep.prompt_index, ep.sample_index, ids)
+        s = self.shared.sample(gen, traj=traj, key=key)
+        s.episode = ep
+        self._configure(s, gen, on_tokens)
+        ep.parts.append(s)
+        driver.add(s)
+        return await s.reply
+
+    def _configure(self, s: Sample, gen: Generation, on_tokens) -> None:
+        self.shared.configure(s, gen, on_tokens)
+        s.sampling = self.sampling  # the recipe's behaviour policy, whatever the request says
+
+
+_RUN = contextvars.ContextVar("agent_run")  # the run a request of the shared client is from
+_HEADER = "x-jaxrl-agent-run"
+
+
+class _Runs:
+    """The `Backend` of the shared routes: each request goes to its run's `_EpisodeBackend`
+    (named by the header its client sends)."""
+
+    def __init__(self, shared: EngineBackend):
+        self.tokenizer, self.model = shared.tokenizer, shared.model
+        self.max_context = shared.max_context
+        self.runs: dict[str, _EpisodeBackend] = {}
+
+    async def generate(self, gen: Generation, on_tokens: OnTokens | None = None) -> Completion:
+        return await self.runs[_RUN.get()].generate(gen, on_tokens)
+
+
+def _clients(runs: _Runs, chat: TemplateChat):
+    """The official OpenAI client on the gateway's routes, in process, and its version for one
+    run: one app and one HTTP client for all runs (a client each costs milliseconds)."""
+    import httpx  # noqa: PLC0415 -- the [agents] extra
+    import openai  # noqa: PLC0415
+
+    from jaxrl_tools.gateway.app import make_app  # noqa: PLC0415 -- starlette: [agents]
+
+    app = make_app(runs, chat)
+
+    async def routed(scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            _RUN.set(headers.get(_HEADER.encode(), b"").decode())
+        await app(scope, receive, send)
+
+    http = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=routed), base_url="http://policy", timeout=None
+    )
+    base = openai.AsyncOpenAI(
+        base_url="http://policy/v1", api_key="in-process", http_client=http, max_retries=0
+    )
+    return base, lambda run: base.with_options(default_headers={_HEADER: run})
+
+
+def _reward(result: Any, where: str) -> float | None:
+    if result is None:
+        return None
+    if isinstance(result, dict) and "reward" in result:
+        result = result["reward"]
+    if isinstance(result, numbers.Real) and not isinstance(result, bool):
+        return float(result)
+    raise AgentError(
+        f"{where}: the agent returned {type(result).__name__}; return a number, a dict with "
+        "'reward', or None (the recipe's reward scores the episode)"
+    )
+
+
+def _episode_trajectory(ep: _Episode, reward: float | None, as_turns: bool) -> Trajectory:
+    """The episode as one trajectory, or (`as_turns`: it may have several samples) as its
+    samples' `turns`."""
+    parts = [s.traj for s in ep.parts]
+    if not as_turns:
+        t = parts[0]
+    else:
+        t = Trajectory(ep.prompt_index, ep.sample_index, list(parts[0].prompt_ids), turns=parts)
+        for p in parts:
+            start = len(t.response_ids)
+            t.response_ids += p.response_ids
+            t.loss_mask += p.loss_mask
+            t.logprobs += p.logprobs
+            t.spans.append(Span("model", start, len(t.response_ids)))
+            t.tool_calls += p.tool_calls
+        t.finish_reason = parts[-1].finish_reason
+        t.response_text = "\n".join(p.response_text for p in parts)
+        t.model_text = "\n".join(p.model_text for p in parts)
+    t.agent_reward = reward
+    return t
+
+
+async def arun_agent_rollouts(
+    engine,
+    params,
+    records: Sequence[dict],
+    agent: Agent,
+    *,
+    tokenizer,
+    parser=None,
+    num_samples: int = 1,
+    limits: RolloutLimits | None = None,
+    sampling: SamplingParams | None = None,
+    rng: jax.Array | int = 0,
+    max_samples: int = 1,
+    stats: dict | None = None,
+) -> list[Trajectory]:
+    """Runs `agent` `num_samples` times per record (concurrently) on the policy `params`.
+
+    Args:
+      engine, params: the decode engine and the weights it serves.
+      records: each handed to the agent (with "messages" and "tool_schemas": see the module
+        docstring).
+      agent: an async function(client, record).
+      tokenizer: the HF tokenizer (chat template).
+      parser: the tool-call parser of the gateway's replies (`tools.get_parser("qwen")`).
+      num_samples: G runs per record.
+      limits: `max_response_tokens` bounds each episode's sampled and inserted tokens,
+        `chunk_size` the decode calls.
+      sampling: the behaviour policy's sampling (every request's).
+      rng: int seed or PRNG key; run g of record i samples with fold_in(fold_in(rng, i), g).
+      max_samples: samples one run may make (a rewritten history starts another; past this
+        many the request is refused). Above 1, every run's trajectory holds its samples as
+        `turns` (trained a row each).
+      stats: filled with rewrites, calls, samples and runs.
+
+    Returns:
+      One trajectory per run, sorted by (record, run); `agent_reward` set where the agent
+      returned a reward.
+    """
+    limits = limits or RolloutLimits()
+    sampling = sampling or SamplingParams()
+    base = jax.random.PRNGKey(rng) if isinstance(rng, int) else rng
+    eos = list(engine.eos_token_ids)
+    chat = TemplateChat(tokenizer, parser, eos_ids=eos)
+    resolver = _EpisodeResolver(tokenizer, engine.max_len, limits.max_response_tokens)
+    shared = EngineBackend(engine, params, tokenizer, limits=limits, resolver=resolver)
+    driver = shared._running()
+    episodes = []
+    runs = _Runs(shared)
+    base_client, client_for = _clients(runs, chat)
+
+    async def run(pi: int, g: int, record: dict) -> Any:
+        ep = _Episode(pi, g, jax.random.fold_in(jax.random.fold_in(base, pi), g))
+        episodes.append(ep)
+        name = f"{pi}-{g}"
+        runs.runs[name] = _EpisodeBackend(shared, chat, ep, sampling, max_samples)
+        client = client_for(name)
+        where = f"record {record.get('id', pi)}, run {g}"
+        try:
+            result = await agent(client, dict(record))
+        except Exception as e:
+            raise AgentError(f"rollout.agent raised on {where}: {type(e).__name__}: {e}") from e
+        finally:
+            ep.settle(Finish(ep.last_reason or "stop"))
+            driver.wake()
+        if not ep.parts:
+            raise AgentError(f"{where}: the agent made no model call; nothing to train")
+        return _reward(result, where)
+
+    jobs = [run(pi, g, rec) for pi, rec in enumerate(records) for g in range(num_samples)]
+    try:
+        rewards = await asyncio.gather(*jobs)
+    finally:
+        for ep in episodes:
+            ep.settle(Finish(ep.last_reason or "stop"))
+        await shared.aclose()
+        await base_client.close()
+    episodes.sort(key=lambda e: (e.prompt_index, e.sample_index))
+    by_key = {}
+    for (pi, g), r in zip(
+        ((pi, g) for pi in range(len(records)) for g in range(num_samples)), rewards
+    ):
+        by_key[pi, g] = r
+    out = [
+        _episode_trajectory(ep, by_key[ep.prompt_index, ep.sample_index], max_samples > 1)
+        for ep in episodes
+    ]
+    if stats is not None:
+        stats.update(
+            rewrites=sum(e.rewrites for e in episodes),
+            calls=sum(e.calls for e in episodes),
+            samples=sum(len(e.parts) for e in episodes),
+            runs=len(episodes),
+        )
+    return out
+
+
+def run_agent_rollouts(engine, params, records, agent, **kwargs) -> list[Trajectory]:
+    """`arun_agent_rollouts` in a fresh event loop (same arguments)."""
+    return asyncio.run(arun_agent_rollouts(engine, params, records, agent, **kwargs))

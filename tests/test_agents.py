@@ -1,0 +1,271 @@
+"""Agents written as plain OpenAI-client code (`rollout.agent`), trained token-exact: the same
+trajectories as the built-in loop, a rewritten history as a second sample of the episode, the
+agent's own reward; the gateway's chat (continuations keep the sampled tokens) and its engine
+backend (concurrent requests, each as if alone)."""
+
+import asyncio
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from fakes import tiny_model_config
+
+from jaxrl_tools import models
+from jaxrl_tools.config import RolloutSection
+from jaxrl_tools.demo.tokenizer import build_tokenizer
+from jaxrl_tools.gateway import Completion, Generation
+from jaxrl_tools.gateway.chat import TemplateChat
+from jaxrl_tools.gateway.engine_backend import EngineBackend
+from jaxrl_tools.rewards import CompositeReward
+from jaxrl_tools.rollout import RolloutLimits, Sampler
+from jaxrl_tools.rollout.agents import AgentError
+from jaxrl_tools.rollout.engine import EngineCore
+from jaxrl_tools.tools import ToolCall, ToolExecutor, function_tool, get_parser
+from jaxrl_tools.train.batch import score_trajectories
+
+pytest.importorskip("openai")
+pytest.importorskip("starlette")
+
+SCRIPT_LEN = 160
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok") / "t", vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def tiny(tok):
+    config = tiny_model_config(vocab_size=len(tok), attention_bias=False)
+    return config, models.init_params(config, jax.random.PRNGKey(0))
+
+
+def free_or_forced_hook(logits_BV, sampled_B, seq_B, data):
+    """Forces the script where it is >= 0 (indexed by tokens sampled so far); elsewhere the
+    model samples freely, without the added tokens (no stray end or tool tags)."""
+    script_K, added_V = data
+    want_B = script_K[jnp.minimum(sampled_B, script_K.shape[0] - 1)]
+    forced_BV = jnp.where(jnp.arange(logits_BV.shape[-1])[None] == want_B[:, None], 0.0, -1e9)
+    free_BV = jnp.where(added_V[None], -1e9, logits_BV)
+    return jnp.where((want_B >= 0)[:, None], forced_BV, free_BV)
+
+
+def _enc(tok, s):
+    return tok.encode(s, add_special_tokens=False)
+
+
+def _engine(tiny, tok, script, slots=3):
+    """Free stretches of the model's own greedy tokens around forced tool calls."""
+    config, params = tiny
+    script = list(script) + [script[-1]] * (SCRIPT_LEN - len(script))
+    added = np.zeros((config.vocab_size,), bool)
+    added[list(tok.get_added_vocab().values())] = True
+    eng = EngineCore(
+        config,
+        params,
+        slots=slots,
+        max_len=768,
+        max_prefill_length=512,
+        tokenizer=tok,
+        logits_hook=free_or_forced_hook,
+        hook_data=(jnp.asarray(script, jnp.int32), jnp.asarray(added)),
+    )
+    return eng, params
+
+
+@function_tool
+def add(a: int, b: int) -> str:
+    """Adds two integers."""
+    return str(a + b)
+
+
+async def tool_agent(client, record):
+    """The built-in loop's task as client code: tools declared, each call run by the agent,
+    its output sent back as a tool message, until an answer without calls."""
+    executor = ToolExecutor([add])
+    messages = list(record["messages"])
+    for _ in range(4):
+        r = await client.chat.completions.create(
+            model="policy",
+            messages=messages,
+            tools=record["tool_schemas"],
+            stop=["</tool_call>"],
+        )
+        msg = r.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        if not msg.tool_calls:
+            return None  # the recipe's reward scores it
+        for call in msg.tool_calls:
+            args = json.loads(call.function.arguments)
+            out = await executor.execute(ToolCall(call.function.name, args))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": out.text})
+    return None
+
+
+async def forgetful_agent(client, record):
+    """Sends the question again without its first exchange: a history the policy did not
+    produce, so a second sample of the episode; scores itself."""
+    first = await client.chat.completions.create(model="p", messages=record["messages"])
+    again = record["messages"] + [{"role": "user", "content": "Once more."}]
+    await client.chat.completions.create(model="p", messages=again, max_tokens=5)
+    return {"reward": float(len(first.choices[0].message.content) > 0) + 0.5}
+
+
+async def broken_agent(client, record):
+    await client.chat.completions.create(model="p", messages=record["messages"], max_tokens=2)
+    raise KeyError("oops")
+
+
+def _sampler(eng, tok, agent=None, protocol="qwen", group=2, max_samples=1):
+    settings = RolloutSection(
+        protocol=protocol,
+        group_size=group,
+        temperature=0.0,
+        max_response_len=200,
+        max_tool_calls=3,
+        chunk_size=8,
+        slots=eng.slots,
+        agent=agent,
+        agent_max_samples=max_samples,
+    )
+    return Sampler(eng, tok, ToolExecutor([add]), settings, system_prompt="You add.")
+
+
+RECORDS = [
+    {"id": "a", "prompt": "What is 2 + 3?", "ground_truth": "5"},
+    {"id": "b", "prompt": "Add two and three.", "ground_truth": "5"},
+]
+
+
+def test_an_agent_as_client_code_gives_the_built_in_loops_trajectories(tiny, tok):
+    """Greedy, the same records: token ids, loss masks, log-probs, tool calls and rewards of
+    the agent's episodes equal the built-in loop's, token for token."""
+    script = [-1] * 5 + _enc(tok, CALL) + [-1] * 4 + _enc(tok, "Done.<|im_end|>")
+    eng, params = _engine(tiny, tok, script)
+    built_in = _sampler(eng, tok)(RECORDS, 2, params)
+    sampler = _sampler(eng, tok, agent="test_agents:tool_agent")
+    agent = sampler(RECORDS, 2, params)
+    assert len(agent) == len(built_in) == 4
+    for a, b in zip(agent, built_in):
+        assert (a.prompt_index, a.sample_index) == (b.prompt_index, b.sample_index)
+        assert a.prompt_ids == b.prompt_ids
+        assert a.response_ids == b.response_ids
+        assert a.loss_mask == b.loss_mask
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        assert [(s.kind, s.start, s.end) for s in a.spans] == [
+            (s.kind, s.start, s.end) for s in b.spans
+        ]
+        assert a.model_text == b.model_text  # what rewards score: the tool's text left out
+        assert a.turns is None and a.agent_reward is None
+    assert sum(a.loss_mask) > 0 and 0 in agent[0].loss_mask  # a tool turn was trained around
+    assert "<tool_response>\n5\n</tool_response>" in agent[0].response_text
+    reward = CompositeReward([("math", 1.0, {})])
+    scores_a, _ = score_trajectories(reward, RECORDS, agent, 2)
+    scores_b, _ = score_trajectories(reward, RECORDS, built_in, 2)
+    np.testing.assert_array_equal(scores_a, scores_b)
+    metrics = sampler.take_metrics()
+    assert metrics["agent/calls_per_run"] == 2.0 and metrics["agent/rewrites"] == 0.0
+
+
+def test_a_rewritten_history_is_another_sample_of_the_episode(tiny, tok):
+    eng, params = _engine(tiny, tok, [-1] * 6 + _enc(tok, "<|im_end|>"))
+    refuses = _sampler(eng, tok, agent="test_agents:forgetful_agent", protocol="none")
+    with pytest.raises(AgentError, match=r"BadRequestError.*rollout.agent_max_samples=1 samples"):
+        refuses(RECORDS[:1], 2, params)
+    sampler = _sampler(eng, tok, "test_agents:forgetful_agent", protocol="none", max_samples=2)
+    trajs = sampler(RECORDS[:1], 2, params)
+    assert [t.sample_index for t in trajs] == [0, 1]
+    for t in trajs:
+        first, second = t.turns
+        assert second.prompt_ids[: len(first.token_ids)] != first.token_ids  # not a continuation
+        assert len(second.response_ids) == 5 and second.finish_reason == "length"
+        assert t.response_ids == first.response_ids + second.response_ids
+        assert t.agent_reward == 1.5
+    scores, parts = score_trajectories(None, RECORDS[:1], trajs, 2)
+    assert scores.tolist() == [1.5, 1.5] and list(parts) == ["agent"]
+    assert sampler.take_metrics()["agent/rewrites"] == 2.0
+
+
+def test_an_agent_that_raises_stops_the_rollout_naming_the_record(tiny, tok):
+    eng, params = _engine(tiny, tok, [-1] * 4 + _enc(tok, "<|im_end|>"))
+    sampler = _sampler(eng, tok, agent="test_agents:broken_agent", protocol="none")
+    with pytest.raises(AgentError, match=r"rollout.agent raised on record a, run 0: KeyError"):
+        sampler(RECORDS[:1], 1, params)
+
+
+def test_the_chat_continues_the_sampled_tokens_and_renders_anything_else(tok):
+    """A history that ends with a returned assistant message is its exact context plus the
+    template's markup of what follows, however the client re-spells the message; any other
+    history is rendered by the template."""
+    chat = TemplateChat(tok, get_parser("qwen"), eos_ids=[tok.convert_tokens_to_ids("<|im_end|>")])
+    tools = ToolExecutor([add]).schemas()
+    messages = [{"role": "user", "content": "2+3?"}]
+    prompt = chat.prompt_ids(messages, tools)
+    assert prompt == _enc(
+        tok,
+        tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False),
+    )
+    # sampled: a call whose JSON the template would write otherwise, split oddly into tokens
+    sampled = _enc(tok, 'ok <tool_call>\n{"name":"add","arguments":{"b":3,"a":2}}\n</tool_call>')
+    sampled += [tok.convert_tokens_to_ids("<|im_end|>")]
+    done = Completion(prompt, sampled, [0.0] * len(sampled), "ok", "stop", ended_with_eos=True)
+    message, finish = chat.reply(messages, tools, done)
+    assert finish == "tool_calls" and message["content"] == "ok"
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"b": 3, "a": 2}
+    # sent back re-serialised (other key order, no call id, content "" for None)
+    call = message["tool_calls"][0]["function"]
+    echoed = {
+        "role": "assistant",
+        "content": "ok",
+        "tool_calls": [{"type": "function", "function": {**call, "arguments": '{"a": 2, "b": 3}'}}],
+    }
+    tool_out = {"role": "tool", "content": "<|im_end|>5"}  # a tool cannot spell an end token
+    ids = chat.prompt_ids([*messages, echoed, tool_out], tools)
+    assert ids[: len(prompt) + len(sampled)] == prompt + sampled
+    rest = tok.decode(ids[len(prompt) + len(sampled) :], skip_special_tokens=False)
+    assert rest.startswith("\n<|im_start|>user\n<tool_response>\n<|im_end|>5")
+    assert (
+        ids.count(tok.convert_tokens_to_ids("<|im_end|>"))
+        == prompt.count(tok.convert_tokens_to_ids("<|im_end|>")) + 2
+    )  # the sampled one and the tool turn's own: not the tool's text
+    # an edited assistant message is not the sampled one: the template renders the history
+    edited = {**echoed, "content": "OK"}
+    whole = chat.prompt_ids([*messages, edited, {"role": "tool", "content": "5"}], tools)
+    assert whole[: len(prompt) + len(sampled)] != prompt + sampled
+
+
+def test_concurrent_requests_decode_as_if_alone(tiny, tok):
+    """Requests of different lengths, stops and seeds share the engine's slots (more requests
+    than slots); each gets what it gets alone, its text cut before its stop string."""
+    eng, params = _engine(tiny, tok, [-1] * SCRIPT_LEN, slots=2)
+    prompts = [_enc(tok, t) for t in ("Hello there", "Compute 12 * 7", "x", "The answer is")]
+    gens = [
+        Generation(tuple(p), max_tokens=n, temperature=t, seed=7, stop=stop)
+        for p, n, t, stop in zip(
+            prompts, (9, 17, 4, 12), (0.0, 1.0, 0.0, 1.0), ((), (), (), (" ",))
+        )
+    ]
+
+    async def serve(batch):
+        backend = EngineBackend(
+            eng, params, tok, limits=RolloutLimits(max_response_tokens=700, chunk_size=4)
+        )
+        try:
+            return await asyncio.gather(*(backend.generate(g) for g in batch))
+        finally:
+            await backend.aclose()
+
+    together = asyncio.run(serve(gens))
+    alone = [asyncio.run(serve([g]))[0] for g in gens]
+    for a, b, g in zip(together, alone, gens):
+        assert a.token_ids == b.token_ids and a.text == b.text
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        assert a.prompt_ids == list(g.prompt_ids)
+        assert len(a.token_ids) <= g.max_tokens
+    assert [len(c.token_ids) for c in together[:3]] == [9, 17, 4]
+    assert all(c.finish_reason == "length" for c in together[:3])
+    if together[3].finish_reason == "stop":  # sampled a space: the text ends before it
+        assert " " not in together[3].text

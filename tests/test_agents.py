@@ -160,6 +160,10 @@ def test_an_agent_as_client_code_gives_the_built_in_loops_trajectories(tiny, tok
         ]
         assert a.model_text == b.model_text  # what rewards score: the tool's text left out
         assert a.turns is None and a.agent_reward is None
+        assert [(c.name, c.arguments) for c in a.tool_calls] == [
+            (c.name, c.arguments) for c in b.tool_calls
+        ]
+        assert a.num_tool_calls == b.num_tool_calls == 1
     assert sum(a.loss_mask) > 0 and 0 in agent[0].loss_mask  # a tool turn was trained around
     assert "<tool_response>\n5\n</tool_response>" in agent[0].response_text
     reward = CompositeReward([("math", 1.0, {})])
@@ -269,3 +273,20 @@ def test_concurrent_requests_decode_as_if_alone(tiny, tok):
     assert all(c.finish_reason == "length" for c in together[:3])
     if together[3].finish_reason == "stop":  # sampled a space: the text ends before it
         assert " " not in together[3].text
+
+
+def test_the_demo_agent_trains_in_a_smoke_run(tmp_path, monkeypatch):
+    """The shipped tool-math agent through `train --smoke`: SFT, then RL steps whose rollouts
+    are the agent's episodes (its sandboxed tool calls counted), checkpointed."""
+    from jaxrl_tools.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--config", "grpo_tool_math", "--smoke", "rollout.protocol=qwen"]
+    argv += ["rollout.agent=jaxrl_tools.demo.agent:tool_math_agent"]
+    argv += ["rollout.max_prompt_len=512", "sft.max_len=768"]  # tool declarations: long prompts
+    assert main(argv) == 0
+    logs = tmp_path / "runs/smoke/grpo_tool_math/logs/metrics.jsonl"
+    steps = [json.loads(line) for line in logs.read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["agent/calls_per_run"] >= 1 and s["agent/rewrites"] == 0 for s in steps)
+    assert all(np.isfinite(s["actor/loss"]) for s in steps)

@@ -28,6 +28,7 @@ import asyncio
 import contextvars
 import importlib
 import inspect
+import logging
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,7 +42,7 @@ from jaxrl_tools.gateway.engine_backend import EngineBackend, RequestResolver, c
 from jaxrl_tools.rollout.loop import RolloutLimits
 from jaxrl_tools.rollout.resolver import Append, Finish, Sample
 from jaxrl_tools.rollout.sampling import SamplingParams
-from jaxrl_tools.types import Span, Trajectory
+from jaxrl_tools.types import Span, ToolCallRecord, Trajectory
 
 Agent = Callable[[Any, dict], Any]
 
@@ -127,7 +128,7 @@ class _EpisodeBackend:
                 self._configure(last, gen, on_tokens)
                 ep.settle(Append(ids[len(context) :], None, markup))
                 driver.wake()
-                return await last.reply
+                return self._record(last, await last.reply)
             if len(ep.parts) >= self.max_samples:
                 raise BadRequest(
                     f"this run's history was rewritten (the messages do not continue what the "
@@ -145,7 +146,21 @@ class _EpisodeBackend:
         self._configure(s, gen, on_tokens)
         ep.parts.append(s)
         driver.add(s)
-        return await s.reply
+        return self._record(s, await s.reply)
+
+    def _record(self, s: Sample, done: Completion) -> Completion:
+        """The calls the reply will return as tool_calls, in the trajectory's tool statistics
+        (whether the agent runs them is its business)."""
+        parser = self.chat.parser
+        if parser is not None and done.token_ids:
+            t = s.traj
+            parsed = parser.parse(self.tokenizer.decode(done.token_ids, skip_special_tokens=False))
+            for call in parsed.calls if not parsed.error else ():
+                t.tool_calls.append(
+                    ToolCallRecord(call.name, call.arguments, True, None, 0.0, True, t.num_turns)
+                )
+                t.num_tool_calls += 1
+        return done
 
     def _configure(self, s: Sample, gen: Generation, on_tokens) -> None:
         self.shared.configure(s, gen, on_tokens)
@@ -174,6 +189,8 @@ def _clients(runs: _Runs, chat: TemplateChat):
     run: one app and one HTTP client for all runs (a client each costs milliseconds)."""
     import httpx  # noqa: PLC0415 -- the [agents] extra
     import openai  # noqa: PLC0415
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per in-process request
 
     from jaxrl_tools.gateway.app import make_app  # noqa: PLC0415 -- starlette: [agents]
 

@@ -290,3 +290,22 @@ def test_the_demo_agent_trains_in_a_smoke_run(tmp_path, monkeypatch):
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["agent/calls_per_run"] >= 1 and s["agent/rewrites"] == 0 for s in steps)
     assert all(np.isfinite(s["actor/loss"]) for s in steps)
+
+
+def test_agent_settings_that_cannot_work_are_one_line_errors(tmp_path):
+    from jaxrl_tools import configs
+    from jaxrl_tools.config import ConfigError, RolloutSection
+    from jaxrl_tools.config_loader import load_config
+
+    with pytest.raises(ConfigError, match=r"rollout.agent.*'package.module:function'"):
+        RolloutSection(agent="not a path")
+    with pytest.raises(ConfigError, match=r"rollout.agent.*got rollout.protocol='retool'"):
+        load_config(configs.path("grpo_tool_math"), ["rollout.agent=my_agents:run"])
+    with pytest.raises(
+        ConfigError, match=r"rollout.agent='nowhere:run' cannot be loaded: No module named"
+    ):
+        from jaxrl_tools.rollout.agents import load_agent
+
+        load_agent("nowhere:run")
+    with pytest.raises(ConfigError, match=r"must be an async function"):
+        load_agent("json:dumps")

@@ -201,6 +201,13 @@ def _check_rollout_placement(cfg: RunConfig, n_devices: int) -> None:
                 "order in each process; set trainer.async_rollouts=false"
             )
 
+    if cfg.rollout.agent is not None and jax.process_count() > 1:
+        raise ConfigError(
+            f"rollout.agent runs in one process, not {jax.process_count()}: the agent is "
+            "arbitrary code, and every process would have to make the same requests in the "
+            "same order; run it on one host"
+        )
+
 
 def _largest_divisor(n: int, cap: int) -> int:
     return max(k for k in range(1, min(n, cap) + 1) if n % k == 0)

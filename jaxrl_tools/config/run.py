@@ -103,6 +103,15 @@ class RunConfig:
                 f"the KL into (it would be dropped); set kl_in_reward=false (KL in the loss) or "
                 f"use one of {takes}"
             )
+        if self.rollout.agent is not None:
+            _check(
+                self.env.name is None and self.rollout.protocol in ("qwen", "none"),
+                "rollout.agent",
+                "brings its own loop: tool calls reach it as OpenAI tool_calls "
+                "(rollout.protocol: qwen, or none for plain text) and no env section is stepped; "
+                f"got rollout.protocol={self.rollout.protocol!r}"
+                + (f", env.name={self.env.name!r}" if self.env.name is not None else ""),
+            )
         if self.env.windowed:
             _check(
                 not self.tools,

@@ -309,3 +309,18 @@ def test_agent_settings_that_cannot_work_are_one_line_errors(tmp_path):
         load_agent("nowhere:run")
     with pytest.raises(ConfigError, match=r"must be an async function"):
         load_agent("json:dumps")
+
+
+def test_sft_traces_past_sft_max_len_are_one_line(tmp_path, monkeypatch, capsys):
+    """Tool declarations make every trace longer (the demo's with Qwen function calling: about
+    490 tokens): a trace past sft.max_len says what to raise, without a traceback."""
+    from jaxrl_tools.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--config", "grpo_tool_math", "--smoke", "rollout.protocol=qwen"]
+    assert main([*argv, "rollout.max_prompt_len=512"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert (
+        err.strip().splitlines()[-1].startswith("jaxrl-tools: sft.max_len=256: an SFT trace has ")
+    )

@@ -309,3 +309,18 @@ def test_openai_api_serves_the_engines_greedy_tokens(run_yaml, served, tmp_path)
         proc.kill()
     assert "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "jaxrl-tools: serve stopped (Ctrl-C)"
+
+
+def test_openai_api_on_a_taken_port_is_one_line_before_anything_loads(run_yaml, capsys):
+    pytest.importorskip("uvicorn")
+    from jaxrl_tools.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["serve", "--openai", "--config", str(run_yaml), "--port", str(port)]
+        assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"jaxrl-tools: serve --openai: cannot listen on 127.0.0.1:{port}")
+    assert "pick another --port" in err[-1]

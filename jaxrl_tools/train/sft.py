@@ -42,7 +42,10 @@ def encode_segments(
         ids += seg
         mask += [float(bool(trainable))] * len(seg)
     if len(ids) > max_len:
-        raise ValueError(f"SFT trace of {len(ids)} tokens is longer than sft.max_len={max_len}")
+        raise ConfigError(
+            f"sft.max_len={max_len}: an SFT trace has {len(ids)} tokens; raise sft.max_len (the "
+            "recipe's prompts, tool declarations included, are part of every trace)"
+        )
     return np.asarray(ids, np.int32), np.asarray(mask, np.float32)
 
 

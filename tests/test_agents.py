@@ -115,8 +115,14 @@ async def forgetful_agent(client, record):
 
 
 async def broken_agent(client, record):
-    await client.chat.completions.create(model="p", messages=record["messages"], max_tokens=2)
-    raise KeyError("oops")
+    """Record "a" raises after a request; record "b" would never stop asking."""
+    messages = list(record["messages"])
+    while True:
+        r = await client.chat.completions.create(model="p", messages=messages, max_tokens=2)
+        if record["id"] == "a":
+            raise KeyError("oops")
+        messages += [r.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "user", "content": "More."}]
 
 
 def _sampler(eng, tok, agent=None, protocol="qwen", group=2, max_samples=1):
@@ -197,7 +203,7 @@ def test_an_agent_that_raises_stops_the_rollout_naming_the_record(tiny, tok):
     eng, params = _engine(tiny, tok, [-1] * 4 + _enc(tok, "<|im_end|>"))
     sampler = _sampler(eng, tok, agent="test_agents:broken_agent", protocol="none")
     with pytest.raises(AgentError, match=r"rollout.agent raised on record a, run 0: KeyError"):
-        sampler(RECORDS[:1], 1, params)
+        sampler(RECORDS, 1, params)  # and the other run, asking forever, is stopped
 
 
 def test_the_chat_continues_the_sampled_tokens_and_renders_anything_else(tok):

@@ -75,6 +75,12 @@ class _Episode:
         self.last_reason = ""
         self.rewrites = 0
         self.calls = 0
+        self.ended = False  # the agent returned, raised or was cancelled
+
+    def end(self) -> None:
+        """No more requests: the last sample finishes with its last segment's reason."""
+        self.ended = True
+        self.settle(Finish(self.last_reason or "stop"))
 
     def settle(self, outcome) -> None:
         if self.waiting is not None and not self.waiting.done():
@@ -90,11 +96,11 @@ class _EpisodeResolver(RequestResolver):
         ep: _Episode = s.episode
         done = completion_of(s, reason, stop_end, self.decode, s.stops or ())
         ep.last_reason = reason
-        if reason == "budget":  # the context is full: nothing can follow
+        if not s.reply.done():  # (an agent cancelled meanwhile no longer waits)
             s.reply.set_result(done)
+        if reason == "budget" or ep.ended:  # the context is full, or the run is over
             return Finish(reason)
         ep.waiting = asyncio.get_running_loop().create_future()
-        s.reply.set_result(done)
         return ep.waiting
 
 
@@ -308,18 +314,27 @@ async def arun_agent_rollouts(
         except Exception as e:
             raise AgentError(f"rollout.agent raised on {where}: {type(e).__name__}: {e}") from e
         finally:
-            ep.settle(Finish(ep.last_reason or "stop"))
+            ep.end()
             driver.wake()
         if not ep.parts:
             raise AgentError(f"{where}: the agent made no model call; nothing to train")
         return _reward(result, where)
 
-    jobs = [run(pi, g, rec) for pi, rec in enumerate(records) for g in range(num_samples)]
+    jobs = [
+        asyncio.ensure_future(run(pi, g, rec))
+        for pi, rec in enumerate(records)
+        for g in range(num_samples)
+    ]
     try:
         rewards = await asyncio.gather(*jobs)
+    except BaseException:  # one run failed: the others stop too
+        for job in jobs:
+            job.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
+        raise
     finally:
         for ep in episodes:
-            ep.settle(Finish(ep.last_reason or "stop"))
+            ep.end()
         await shared.aclose()
         await base_client.close()
     episodes.sort(key=lambda e: (e.prompt_index, e.sample_index))

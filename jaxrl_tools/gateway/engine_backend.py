@@ -10,7 +10,6 @@ request waiting on it (nothing hangs).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import jax
 import numpy as np
@@ -86,7 +85,7 @@ class EngineBackend:
 
     Args:
       engine: an `EngineCore` (or the JetStream adapter).
-      params: the weights to serve (`params` may be replaced between requests).
+      params: the weights to serve.
       tokenizer: HF tokenizer (stop strings, text).
       model: the name `GET /v1/models` lists.
       limits: `chunk_size` (decode steps per engine call), `max_response_tokens` (sampled and
@@ -172,9 +171,3 @@ class EngineBackend:
         if self.driver is not None:
             self.driver.close()
             await asyncio.shield(self._task)
-
-    def set_params(self, params: Any) -> None:
-        """Serve new weights from the next decode chunk on."""
-        self.params = params
-        if self.driver is not None:
-            self.driver.params = params

@@ -14,9 +14,10 @@ behaviour policy) and token limits per request (max_tokens) and per episode
 (`rollout.max_response_len`). A request whose prompt ids extend the episode's context exactly
 (the gateway's chat keeps sampled turns token-exact: `gateway.chat`) continues it: the tokens in
 between are appended to the cached row (loss mask 0) and decoding goes on without a prefill.
-A request that does not (the agent rewrote or cut its history) starts another sample of the
-same episode; an episode of several samples is trained as `Trajectory.turns`, each sample a
-row with the episode's advantage, and counted in `agent/rewrites`.
+A request that does not (the agent rewrote or cut its history) is refused (HTTP 400) or, up to
+`rollout.agent_max_samples`, starts another sample of the same episode: every episode is then
+trained as `Trajectory.turns`, each sample a row with the episode's advantage (counted in
+`agent/rewrites`).
 
 Group sampling runs the agent G times per record, concurrently. One process only: the agent is
 arbitrary code, and the multi-controller driver would need every process to run it alike.

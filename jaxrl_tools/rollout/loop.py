@@ -356,14 +356,16 @@ class Driver:
         several processes, a short wait, then the next pass agrees on what the others
         finished)."""
         waits = [t for t in self.tasks.values() if t is not None]
-        if self.open or not self.sched.busy:
+        wake = None
+        if self.open:
             self._wake.clear()
-            waits.append(asyncio.ensure_future(self._wake.wait()))
+            wake = asyncio.ensure_future(self._wake.wait())
+            waits.append(wake)
         if waits:
             timeout = 0.05 if self.shared else None
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED, timeout=timeout)
-            if waits[-1] not in self.tasks.values():
-                waits[-1].cancel()
+        if wake is not None:
+            wake.cancel()
 
     # ------------------------------------------------------------------ 3) decode
     async def _decode(self, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -223,7 +223,8 @@ class Sampler:
 
     def take_metrics(self) -> dict[str, float]:
         """The agent loop's scheduling since the last call (then reset): trajectories parked
-        out of their slots while waiting on a tool, and the most in flight at once."""
+        out of their slots while waiting on a tool, and the most in flight at once; with
+        `rollout.agent`, the requests per run and the rewritten histories."""
         out = {
             "schedule/parks": float(self._parks),
             "schedule/in_flight_max": float(self._in_flight),

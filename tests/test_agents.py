@@ -13,7 +13,7 @@ import pytest
 from fakes import tiny_model_config
 
 from jaxrl_tools import models
-from jaxrl_tools.config import RolloutSection
+from jaxrl_tools.config import FiltersSection, RolloutSection
 from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.gateway import Completion, Generation
 from jaxrl_tools.gateway.chat import TemplateChat
@@ -23,7 +23,7 @@ from jaxrl_tools.rollout import RolloutLimits, Sampler
 from jaxrl_tools.rollout.agents import AgentError
 from jaxrl_tools.rollout.engine import EngineCore
 from jaxrl_tools.tools import ToolCall, ToolExecutor, function_tool, get_parser
-from jaxrl_tools.train.batch import score_trajectories
+from jaxrl_tools.train.batch import make_batch, score_trajectories
 
 pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -196,6 +196,16 @@ def test_a_rewritten_history_is_another_sample_of_the_episode(tiny, tok):
         assert t.agent_reward == 1.5
     scores, parts = score_trajectories(None, RECORDS[:1], trajs, 2)
     assert scores.tolist() == [1.5, 1.5] and list(parts) == ["agent"]
+    # the update's layout: a row per sample, each with its episode's score
+    batch = make_batch(
+        RECORDS[:1], trajs, None, FiltersSection(), group_size=2, rows=2, pad_id=0, turn_rows=4
+    )
+    assert (batch.num_rows, batch.num_episodes) == (4, 2)
+    assert batch.scores_R.tolist() == [1.5] * 4
+    for row, part in enumerate(p for t in trajs for p in t.turns):
+        n = len(part.token_ids)
+        assert batch.tokens_RT[row, :n].tolist() == part.token_ids
+        assert batch.loss_mask_RT[row, :n].tolist() == part.full_loss_mask
     assert sampler.take_metrics()["agent/rewrites"] == 2.0
 
 

@@ -9,6 +9,7 @@ sends the history back. Their trajectories must be equal token for token; the fi
 agent's rollout time over the built-in loop's (best of `--repeats`, after a warm-up of each).
 
     python benchmarks/bench_agent_gateway.py [--records 16] [--group 4] [--slots 32]
+        [--hidden 64 --layers 2]  (a wider, deeper policy: decoding's share grows)
 """
 
 from __future__ import annotations
@@ -77,13 +78,16 @@ def main():
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--free", type=int, default=16, help="the policy's own tokens per turn")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=64, help="the policy's width (heads of 16)")
+    ap.add_argument("--layers", type=int, default=2)
     a = ap.parse_args()
 
     tok = build_tokenizer(Path(tempfile.mkdtemp()) / "tok", vocab_size=512)
     config = ModelConfig(
-        model_type="qwen2", vocab_size=len(tok), hidden_size=64, intermediate_size=192,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=1024,
+        model_type="qwen2", vocab_size=len(tok), hidden_size=a.hidden,
+        intermediate_size=3 * a.hidden, num_hidden_layers=a.layers,
+        num_attention_heads=a.hidden // 16, num_key_value_heads=max(1, a.hidden // 32),
+        head_dim=16, max_position_embeddings=1024,
     )  # fmt: skip
     params = models.init_params(config, jax.random.PRNGKey(0))
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731

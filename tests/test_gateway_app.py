@@ -18,8 +18,9 @@ from fakes import wait_until
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from jaxrl_tools.gateway.app import _TextStream, _Tokens, make_app
+from jaxrl_tools.gateway.app import make_app
 from jaxrl_tools.gateway.backend import BadRequest, Completion
+from jaxrl_tools.gateway.streaming import TextStream, Tokens
 
 EOS = "<|im_end|>"
 WEATHER = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
@@ -350,14 +351,14 @@ def test_streaming_equals_unstreamed():
 
 
 def test_text_stream_holds_back_what_may_change():
-    tokens = _Tokens(TOK)
-    s = _TextStream(tokens, ["STOP"])
+    tokens = Tokens(TOK)
+    s = TextStream(tokens, ["STOP"])
     ids = enc("aé b STthe STOP end")
     out = [s.add(ids[k : k + 1]) for k in range(len(ids))]
     assert out[:4] == ["", "a", "", "é"]  # a token waits for the next; "é" is two tokens
     assert "".join(out) == "aé b STthe "
     assert s.finish("aé b STthe ") == ""
-    s = _TextStream(tokens, [], ["<tool_call>"], strip=True)
+    s = TextStream(tokens, [], ["<tool_call>"], strip=True)
     ids = enc(" lead <tool_call>{}</tool_call>")
     assert "".join(s.add(ids[k : k + 2]) for k in range(0, len(ids), 2)) == ""
     assert s.finish("lead") == "lead"

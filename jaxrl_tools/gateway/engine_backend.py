@@ -139,8 +139,11 @@ class EngineBackend:
                 s.reply.set_exception(error or RuntimeError("the gateway's engine stopped"))
         self.driver, self._task = None, None
 
-    def sample(self, gen: Generation, traj: Trajectory | None = None, key=None) -> Sample:
-        """A new sample of the running driver for `gen` (queued by the caller: `driver.add`)."""
+    def sample(
+        self, gen: Generation, traj: Trajectory | None = None, key=None, sampling=None
+    ) -> Sample:
+        """A new sample of the running driver for `gen` (queued by the caller: `driver.add`),
+        sampled as `gen` says or with `sampling`."""
         d = self._running()
         index = len(d.samples)
         if key is None:
@@ -148,13 +151,17 @@ class EngineBackend:
             key = jax.random.fold_in(self.base_key, seed)
         traj = traj or Trajectory(-1, index, list(gen.prompt_ids))
         s = Sample(traj, np.asarray(key), index)
-        s.prefix_key = ("request", index)
-        self.configure(s, gen)
+        self.configure(s, gen, sampling=sampling)
+        # Requests with the same prompt and sampling queued together share one prefill (the G
+        # runs of an agent send the same first request), each sampling with its own key.
+        s.prefix_key = ("request", s.sampling, tuple(traj.prompt_ids))
         return s
 
-    def configure(self, s: Sample, gen: Generation, on_tokens: OnTokens | None = None) -> None:
+    def configure(
+        self, s: Sample, gen: Generation, on_tokens: OnTokens | None = None, sampling=None
+    ) -> None:
         """The sample's settings for its next segment (a request's)."""
-        s.sampling = SamplingParams(temperature=gen.temperature, top_p=gen.top_p)
+        s.sampling = sampling or SamplingParams(temperature=gen.temperature, top_p=gen.top_p)
         s.stops = tuple(gen.stop)
         s.max_new = gen.max_tokens
         s.on_tokens = on_tokens

@@ -132,7 +132,7 @@ class _EpisodeBackend:
             if len(ids) > len(context) and ids[: len(context)] == context:
                 known = self.chat.continuations.get(tuple(ids))
                 markup = known[1] if known is not None and known[0] == len(context) else ""
-                self._configure(last, gen, on_tokens)
+                self.shared.configure(last, gen, on_tokens, sampling=self.sampling)
                 ep.settle(Append(ids[len(context) :], None, markup))
                 driver.wake()
                 return self._record(last, await last.reply)
@@ -148,9 +148,10 @@ class _EpisodeBackend:
             driver.wake()
         key = jax.random.fold_in(ep.key, len(ep.parts))
         traj = Trajectory(ep.prompt_index, ep.sample_index, ids)
-        s = self.shared.sample(gen, traj=traj, key=key)
+        # sampled by the recipe's behaviour policy, whatever the request says
+        s = self.shared.sample(gen, traj=traj, key=key, sampling=self.sampling)
         s.episode = ep
-        self._configure(s, gen, on_tokens)
+        s.on_tokens = on_tokens
         ep.parts.append(s)
         driver.add(s)
         return self._record(s, await s.reply)
@@ -168,10 +169,6 @@ class _EpisodeBackend:
                 )
                 t.num_tool_calls += 1
         return done
-
-    def _configure(self, s: Sample, gen: Generation, on_tokens) -> None:
-        self.shared.configure(s, gen, on_tokens)
-        s.sampling = self.sampling  # the recipe's behaviour policy, whatever the request says
 
 
 _RUN = contextvars.ContextVar("agent_run")  # the run a request of the shared client is from

@@ -236,9 +236,10 @@ class Driver:
         # sample -> its tool / environment task; None where another process runs it
         self.tasks: dict[int, asyncio.Task | None] = {}
         self.arrived: dict[int, Append] = {}  # observations waiting for a parked sample's slot
-        # prompt index -> [its prefilled cache, samples still to insert]
-        self.prefixes: dict[int, list] = {}
-        self.group = collections.Counter(s.traj.prompt_index for s in samples)
+        # prefix key (a prompt's index; a request's prompt) -> its prefilled cache, kept while
+        # samples of it wait to be inserted (`group`: how many)
+        self.prefixes: dict[Any, Any] = {}
+        self.group = collections.Counter(s.prefix_key for s in samples)
         self.done: list[Trajectory] = []
         self.shared = jax.process_count() > 1
         self.generate_s = 0.0
@@ -328,12 +329,13 @@ class Driver:
             s.owned = slot * n_proc // self.engine.slots == me
         pi = s.prefix_key
         if pi not in self.prefixes:
-            self.prefixes[pi] = [self._prefill(s.traj.prompt_ids, s), self.group[pi]]
-        entry = self.prefixes[pi]
-        self.state = self.engine.insert(entry[0], self.state, slot, rng=s.key, seq_id=s.index)
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.prefixes[pi]
+            self.prefixes[pi] = self._prefill(s.traj.prompt_ids, s)
+        self.state = self.engine.insert(
+            self.prefixes[pi], self.state, slot, rng=s.key, seq_id=s.index
+        )
+        self.group[pi] -= 1
+        if self.group[pi] == 0:  # the last queued sample of this prefix is in
+            del self.prefixes[pi], self.group[pi]
 
     def _prefill(self, ids: list[int], s: Sample):
         """Engine API prefill, in pieces of `max_prefill_length` for a longer prompt (each

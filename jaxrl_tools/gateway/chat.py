@@ -23,6 +23,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from jaxrl_tools.gateway.backend import BadRequest, Completion
 from jaxrl_tools.prompts import encode_observation
 
@@ -62,7 +64,8 @@ class TemplateChat:
       parser: reads tool calls from a completion's text (`tools.get_parser("qwen")`); None:
         replies are plain text.
       eos_ids: the end-of-turn tokens (a completion ending with one has closed its turn).
-      remember: how many returned messages to keep (least recently used dropped first).
+      remember: how many returned messages to keep (least recently used dropped first; their
+        contexts are kept as int32 arrays: 4 bytes a token).
     """
 
     def __init__(self, tokenizer, parser=None, *, eos_ids=(), remember: int = 4096):
@@ -70,11 +73,11 @@ class TemplateChat:
         self.eos_ids = set(eos_ids)
         self.remember = int(remember)
         # history key -> (context ids: prompt + sampled, whether it ended with an end token)
-        self._contexts: collections.OrderedDict[str, tuple[list[int], bool]] = (
+        self._contexts: collections.OrderedDict[str, tuple[np.ndarray, bool]] = (
             collections.OrderedDict()
         )
-        # prompt ids (as a tuple) -> (context length, markup of what follows it)
-        self.continuations: collections.OrderedDict[tuple, tuple[int, str]] = (
+        # a continued prompt's ids (as bytes) -> (its context's length, the markup after it)
+        self._continuations: collections.OrderedDict[bytes, tuple[int, str]] = (
             collections.OrderedDict()
         )
 
@@ -123,10 +126,10 @@ class TemplateChat:
             raise BadRequest(f"the chat template cannot render messages: {e}", "messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _continue(self, hit: tuple[list[int], bool], rest: list[dict]) -> list[int]:
+    def _continue(self, hit: tuple[np.ndarray, bool], rest: list[dict]) -> list[int]:
         """The remembered context, then the template's markup of `rest` after an assistant
         turn (without the end token the model sampled, if it did)."""
-        context, ended_with_eos = hit
+        context, ended_with_eos = hit[0].tolist(), hit[1]
         if not rest:  # the assistant turn is to be continued: the context as it is
             return list(context)
         contents = [m["content"] for m in rest]
@@ -143,9 +146,15 @@ class TemplateChat:
             self.tokenizer.decode(context[-1:], skip_special_tokens=False) if ended_with_eos else ""
         )
         ids, markup = encode_observation(self.tokenizer, render, contents, drop_prefix=last)
-        prompt = list(context) + ids
-        self._keep(self.continuations, tuple(prompt), (len(context), markup))
+        prompt = context + ids
+        self._keep(self._continuations, _key(prompt), (len(context), markup))
         return prompt
+
+    def markup(self, prompt_ids: Sequence[int], context_len: int) -> str | None:
+        """The markup (texts left out) of what this chat appended after the first
+        `context_len` tokens to make `prompt_ids`; None if it did not."""
+        known = self._continuations.get(_key(prompt_ids))
+        return known[1] if known is not None and known[0] == context_len else None
 
     # ------------------------------------------------------------------ replies
     def reply(self, messages, tools, completion: Completion) -> tuple[dict, str]:
@@ -175,10 +184,8 @@ class TemplateChat:
             }
             finish = "tool_calls"
         history = [self._normal(m) for m in [*messages, message]]
-        context = (
-            list(completion.prompt_ids) + list(completion.token_ids),
-            completion.ended_with_eos,
-        )
+        ids = np.asarray([*completion.prompt_ids, *completion.token_ids], np.int32)
+        context = (ids, completion.ended_with_eos)
         self._keep(self._contexts, canonical(history, tools), context)
         return message, finish
 
@@ -187,3 +194,7 @@ class TemplateChat:
         table.move_to_end(key)
         while len(table) > self.remember:
             table.popitem(last=False)
+
+
+def _key(ids: Sequence[int]) -> bytes:
+    return np.asarray(ids, np.int32).tobytes()

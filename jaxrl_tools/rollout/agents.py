@@ -130,8 +130,7 @@ class _EpisodeBackend:
         if last is not None and ep.waiting is not None:
             context = last.traj.token_ids
             if len(ids) > len(context) and ids[: len(context)] == context:
-                known = self.chat.continuations.get(tuple(ids))
-                markup = known[1] if known is not None and known[0] == len(context) else ""
+                markup = self.chat.markup(ids, len(context)) or ""
                 self.shared.configure(last, gen, on_tokens, sampling=self.sampling)
                 ep.settle(Append(ids[len(context) :], None, markup))
                 driver.wake()

@@ -113,7 +113,8 @@ class EngineBackend:
         self.driver: Driver | None = None
         self._task: asyncio.Task | None = None
 
-    def _running(self) -> Driver:
+    def running(self) -> Driver:
+        """The driver requests join (started on first use, in the running event loop)."""
         if self.driver is None:
             self.driver = Driver(
                 self.engine,
@@ -144,7 +145,7 @@ class EngineBackend:
     ) -> Sample:
         """A new sample of the running driver for `gen` (queued by the caller: `driver.add`),
         sampled as `gen` says or with `sampling`."""
-        d = self._running()
+        d = self.running()
         index = len(d.samples)
         if key is None:
             seed = index if gen.seed is None else gen.seed

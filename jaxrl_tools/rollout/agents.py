@@ -123,7 +123,7 @@ class _EpisodeBackend:
         self.max_context = shared.max_context
 
     async def generate(self, gen: Generation, on_tokens: OnTokens | None = None) -> Completion:
-        ep, driver = self.episode, self.shared._running()
+        ep, driver = self.episode, self.shared.running()
         ep.calls += 1
         ids = list(gen.prompt_ids)
         last = ep.parts[-1] if ep.parts else None
@@ -156,8 +156,9 @@ class _EpisodeBackend:
         return self._record(s, await s.reply)
 
     def _record(self, s: Sample, done: Completion) -> Completion:
-        """The calls the reply will return as tool_calls, in the trajectory's tool statistics
-        (whether the agent runs them is its business)."""
+        """The calls the model wrote (in the recipe's format: the reply returns them as
+        tool_calls where the request declared tools), in the trajectory's tool statistics;
+        whether the agent runs them is its business."""
         parser = self.chat.parser
         if parser is not None and done.token_ids:
             t = s.traj
@@ -294,7 +295,7 @@ async def arun_agent_rollouts(
     chat = TemplateChat(tokenizer, parser, eos_ids=eos)
     resolver = _EpisodeResolver(tokenizer, engine.max_len, limits.max_response_tokens)
     shared = EngineBackend(engine, params, tokenizer, limits=limits, resolver=resolver)
-    driver = shared._running()
+    driver = shared.running()
     episodes = []
     runs = _Runs(shared)
     base_client, client_for = _clients(runs, chat)

@@ -339,7 +339,9 @@ class ToolServer:
             self.stop()
 
 
-def _load_policy(cfg: RunConfig, from_checkpoint: bool, step: int | None, mesh):
+def load_policy(cfg: RunConfig, from_checkpoint: bool, step: int | None, mesh):
+    """(model config, params, tokenizer, what it is) of the policy to serve: the run's
+    checkpoint, or `model.path` (a random tiny model without one)."""
     if from_checkpoint:
         model_cfg, params, tokenizer, step = run.restore_policy(cfg, step)
         return model_cfg, params, tokenizer, f"{cfg.trainer.checkpoint_dir} step {step}"
@@ -368,7 +370,7 @@ def start_server(
     from jetstream.core import server_lib  # noqa: PLC0415  (after the logging fix-up above)
 
     mesh = run.make_mesh(cfg)
-    model_cfg, params, tokenizer, what = _load_policy(cfg, from_checkpoint, step, mesh)
+    model_cfg, params, tokenizer, what = load_policy(cfg, from_checkpoint, step, mesh)
     if tools:
         started = run.setup_tools(cfg)
         sampler = run.make_sampler(cfg, model_cfg, params, tokenizer, started, mesh)

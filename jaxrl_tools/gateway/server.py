@@ -45,10 +45,10 @@ def _bound_socket(host: str, port: int) -> socket.socket:
 def build_app(cfg: RunConfig, *, from_checkpoint: bool, step: int | None):
     """The policy's ASGI app and its backend (`aclose` it when done)."""
     from jaxrl_tools.gateway.app import make_app  # noqa: PLC0415 -- starlette: [agents]
-    from jaxrl_tools.serve import _load_policy  # noqa: PLC0415
+    from jaxrl_tools.serve import load_policy  # noqa: PLC0415 -- (serve's gRPC imports are lazy)
 
     mesh = run.make_mesh(cfg)
-    model_cfg, params, tokenizer, what = _load_policy(cfg, from_checkpoint, step, mesh)
+    model_cfg, params, tokenizer, what = load_policy(cfg, from_checkpoint, step, mesh)
     engine = make_engine(
         model_cfg,
         params,

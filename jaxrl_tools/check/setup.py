@@ -200,8 +200,7 @@ def _check_rollout_placement(cfg: RunConfig, n_devices: int) -> None:
                 "rollout thread's device calls would interleave with the update's in a different "
                 "order in each process; set trainer.async_rollouts=false"
             )
-
-    if cfg.rollout.agent is not None and jax.process_count() > 1:
+    if r.agent is not None and jax.process_count() > 1:
         raise ConfigError(
             f"rollout.agent runs in one process, not {jax.process_count()}: the agent is "
             "arbitrary code, and every process would have to make the same requests in the "

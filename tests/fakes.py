@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_tools.types import Span, Trajectory
@@ -136,3 +137,14 @@ def wait_until(pred, timeout=3.0) -> bool:
             return True
         time.sleep(0.05)
     return pred()
+
+
+def free_or_forced_hook(logits_BV, sampled_B, seq_B, data):
+    """logits_hook: forces `script_K` where it is >= 0 (indexed by tokens sampled so far);
+    elsewhere the model samples freely, without the added tokens `added_V` (no stray end or
+    tool tags). One function for every test file: they share its compile."""
+    script_K, added_V = data
+    want_B = script_K[jnp.minimum(sampled_B, script_K.shape[0] - 1)]
+    forced_BV = jnp.where(jnp.arange(logits_BV.shape[-1])[None] == want_B[:, None], 0.0, -1e9)
+    free_BV = jnp.where(added_V[None], -1e9, logits_BV)
+    return jnp.where((want_B >= 0)[:, None], forced_BV, free_BV)

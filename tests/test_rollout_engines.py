@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fakes import tiny_model_config
+from fakes import free_or_forced_hook, tiny_model_config
 from jetstream.engine import engine_api
 
 from jaxrl_tools import models
@@ -34,16 +34,6 @@ def tok(tmp_path_factory):
 def tiny(tok):
     config = tiny_model_config(vocab_size=len(tok), attention_bias=False)
     return config, models.init_params(config, jax.random.PRNGKey(0))
-
-
-def free_or_forced_hook(logits_BV, sampled_B, seq_B, data):
-    """Forces `script_K` where it is >= 0 (the tool call, the answer); elsewhere the model
-    samples freely, without the added tokens (no stray end or tool tags)."""
-    script_K, added_V = data
-    want_B = script_K[jnp.minimum(sampled_B, script_K.shape[0] - 1)]
-    forced_BV = jnp.where(jnp.arange(logits_BV.shape[-1])[None] == want_B[:, None], 0.0, -1e9)
-    free_BV = jnp.where(added_V[None], -1e9, logits_BV)
-    return jnp.where((want_B >= 0)[:, None], forced_BV, free_BV)
 
 
 def _scripted_engine(name, tiny, tok):

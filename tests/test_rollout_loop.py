@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from fakes import tiny_model_config
+from fakes import free_or_forced_hook, tiny_model_config
 from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
 from tokenizers import models as tk_models
 
@@ -275,16 +275,6 @@ def test_other_slots_decode_while_a_slow_tool_runs(tiny, tok):
     during = [t for t in chunks if start < t < end]
     # samples 2-4 on the other slot: at least their calls and answers are decoded meanwhile
     assert len(during) >= 3, (len(during), [round(t - start, 3) for t in chunks], end - start)
-
-
-def free_or_forced_hook(logits_BV, sampled_B, seq_B, data):
-    """Forces `script_K` where it is >= 0; elsewhere the model samples freely, without the
-    added tokens (no stray end or tool tags)."""
-    script_K, added_V = data
-    want_B = script_K[jnp.minimum(sampled_B, script_K.shape[0] - 1)]
-    forced_BV = jnp.where(jnp.arange(logits_BV.shape[-1])[None] == want_B[:, None], 0.0, -1e9)
-    free_BV = jnp.where(added_V[None], -1e9, logits_BV)
-    return jnp.where((want_B >= 0)[:, None], forced_BV, free_BV)
 
 
 def test_parked_trajectories_give_up_their_slots_and_decode_on_unchanged(tiny, tok):

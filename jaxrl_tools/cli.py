@@ -35,6 +35,7 @@ _VALUE_OPTIONS = (
     "--step",
     "--baseline-reward",
     "--baseline-estimator",
+    "--baseline-agent",
     "--batch",
     "--mesh",
     "--accelerator",
@@ -113,6 +114,7 @@ def _dispatch(args, cfg) -> int | None:
             cfg,
             baseline_reward=args.baseline_reward,
             baseline_estimator=args.baseline_estimator,
+            baseline_agent=args.baseline_agent,
         )
     elif args.command == "train":
         summary = run.train(cfg)
@@ -257,6 +259,11 @@ def main(argv=None) -> int:
         "--baseline-estimator",
         help="also run RL from the same SFT policy with this advantage estimator, and compare "
         "(e.g. `--config sokoban_gigpo_demo --baseline-estimator grpo`: GiGPO vs GRPO)",
+    )
+    p.add_argument(
+        "--baseline-agent",
+        help="also run RL from the same SFT policy with this rollout.agent, and compare "
+        "(e.g. `rollout.protocol=qwen --baseline-agent jaxrl_tools.demo.agent:tool_math_agent`)",
     )
     p = command("train", "SFT (if enabled) then RL, with checkpoints; resumes a killed run")
     p.add_argument(

@@ -168,10 +168,10 @@ class TaskSource(Source):
     def records(self, cfg, split):
         return task.task_records(cfg.data, cfg.rollout.protocol, split)
 
-    def tokenizer_texts(self, cfg):  # declarations, requests and answers; none for arithmetic
+    def tokenizer_texts(self, cfg):  # the declarations (and requests and answers)
         if cfg.data.task == "function_calling":
             return function_calling.tokenizer_texts()
-        return super().tokenizer_texts(cfg)
+        return task.tokenizer_texts(cfg.rollout.protocol) + super().tokenizer_texts(cfg)
 
     def trace_error(self, cfg):
         # function_calling traces answer in ToolRL's format, whatever the protocol

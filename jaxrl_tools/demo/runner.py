@@ -18,19 +18,23 @@ from jaxrl_tools.train.metrics import write_json
 
 
 def demo(
-    cfg: RunConfig, *, baseline_reward: str | None = None, baseline_estimator: str | None = None
+    cfg: RunConfig,
+    *,
+    baseline_reward: str | None = None,
+    baseline_estimator: str | None = None,
+    baseline_agent: str | None = None,
 ) -> dict:
     """SFT cold start, held-out eval, GRPO with the sandbox in the loop, held-out eval, report.
 
-    With `baseline_reward` (e.g. "math") or `baseline_estimator` (e.g. "grpo"), a second RL run
-    starts from the same SFT policy with only that reward or with that advantage estimator, for
-    the same steps on the same data, and the report compares the two (OTC vs plain GRPO, GiGPO
-    vs GRPO).
+    With `baseline_reward` (e.g. "math"), `baseline_estimator` (e.g. "grpo") or `baseline_agent`
+    (a `rollout.agent`), a second RL run starts from the same SFT policy with only that reward,
+    that advantage estimator or that agent, for the same steps on the same data, and the report
+    compares the two (OTC vs plain GRPO, GiGPO vs GRPO, the built-in loop vs an agent).
     """
     t0 = time.perf_counter()
     out = Path(cfg.trainer.log_dir)
     base_cfg = None
-    if baseline_reward is not None or baseline_estimator is not None:
+    if (baseline_reward, baseline_estimator, baseline_agent) != (None, None, None):
         t = cfg.trainer
         change: dict[str, Any] = {}
         if baseline_reward is not None:
@@ -39,6 +43,8 @@ def demo(
             change["algorithm"] = dataclasses.replace(
                 cfg.algorithm, adv_estimator=baseline_estimator
             )
+        if baseline_agent is not None:
+            change["rollout"] = dataclasses.replace(cfg.rollout, agent=baseline_agent)
         # Built (and so validated) before anything runs.
         base_cfg = dataclasses.replace(
             cfg,
@@ -53,8 +59,7 @@ def demo(
     summary = run.train(
         cfg, evaluate_before=True, evaluate_after=True, keep_init_params=base_cfg is not None
     )
-    summary["reward_name"] = "+".join(r.name for r in cfg.reward)
-    summary["estimator"] = cfg.algorithm.adv_estimator
+    summary.update(_method(cfg))
     summary["tools_desc"] = ", ".join(t.cls for t in cfg.tools) or "no tools"
     r = cfg.rollout
     summary["eval_desc"] = (
@@ -69,8 +74,7 @@ def demo(
         baseline = run.train(
             base_cfg, evaluate_after=True, init_params=summary.pop("init_params", None)
         )
-        baseline["reward_name"] = "+".join(r.name for r in base_cfg.reward)
-        baseline["estimator"] = base_cfg.algorithm.adv_estimator
+        baseline.update(_method(base_cfg))
     summary["wall_time_s"] = time.perf_counter() - t0
     text = report.demo_report(summary, baseline)
     if sharding.is_main_process():
@@ -82,6 +86,15 @@ def demo(
     print(text)
     print(f"(wall time {summary['wall_time_s']:.0f} s; report in {out / 'report.md'})")
     return summary
+
+
+def _method(cfg: RunConfig) -> dict:
+    """What names a run in the report: its reward, its estimator and its agent."""
+    return {
+        "reward_name": "+".join(r.name for r in cfg.reward),
+        "estimator": cfg.algorithm.adv_estimator,
+        "agent": cfg.rollout.agent,
+    }
 
 
 _NOT_JSON = ("params", "model_config", "tokenizer", "init_params")

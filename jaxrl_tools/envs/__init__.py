@@ -1,5 +1,6 @@
-"""Multi-turn text environments, stepped with model turns: RAGEN's Sokoban and FrozenLake, and
-Kevin-style refinement of a function against hidden tests in the sandbox."""
+"""Multi-turn text environments, stepped with model turns: RAGEN's Sokoban and FrozenLake,
+Kevin-style refinement of a function against hidden tests in the sandbox, and gymnasium and
+OpenEnv environments of the user's (`external.py`)."""
 
 from jaxrl_tools.envs.base import (
     Env,
@@ -13,6 +14,7 @@ from jaxrl_tools.envs.base import (
     register_env,
 )
 from jaxrl_tools.envs.episodes import EVAL_SEED_OFFSET, Episodes, env_kwargs, needs_sandbox
+from jaxrl_tools.envs.external import GymnasiumText, OpenEnv
 from jaxrl_tools.envs.frozenlake import FrozenLake
 from jaxrl_tools.envs.refine import Refine
 from jaxrl_tools.envs.sokoban import Sokoban
@@ -23,6 +25,8 @@ __all__ = [
     "Episodes",
     "FrozenLake",
     "GridEnv",
+    "GymnasiumText",
+    "OpenEnv",
     "RagenTurns",
     "Refine",
     "Sokoban",

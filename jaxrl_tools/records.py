@@ -110,6 +110,8 @@ def source_name(cfg: RunConfig) -> str:
     """The source a config reads: its environment, else its generated task, else its files."""
     if cfg.env.name is not None:
         return "env"
+    if cfg.data.verifiers is not None:
+        return "verifiers"
     return "task" if cfg.data.task is not None else "files"
 
 
@@ -212,6 +214,28 @@ class FileSource(Source):
             "sft.enabled=true needs sft.train_files (trace files), or data.task or env.name "
             "(generated traces): give trace files, or set sft.enabled=false"
         )
+
+
+@register_source("verifiers")
+class VerifiersSource(Source):
+    """The tasks of a `verifiers` taskset (`data.verifiers`), one record each."""
+
+    def has(self, cfg, split):
+        return cfg.data.verifiers.get(split) is not None
+
+    def field(self, cfg, split):
+        return f"data.verifiers.{split}"
+
+    def describe(self, cfg, split):
+        return f"verifiers taskset {cfg.data.verifiers['taskset']!r} ({split})"
+
+    def records(self, cfg, split):
+        from jaxrl_tools.rollout import verifiers_envs  # noqa: PLC0415 -- the [verifiers] extra
+
+        return verifiers_envs.records(cfg.data.verifiers, split)
+
+    def trace_error(self, cfg):
+        return "sft.enabled=true with data.verifiers needs sft.train_files (trace files)"
 
 
 # ------------------------------------------------------------------------------ the run's use

@@ -69,8 +69,9 @@ class _StartError(Exception):
 
 
 def _field(obj: Any, name: str, v1_name: str) -> Any:
-    """An attribute of an MCP type: snake_case in SDK 2.x, camelCase in 1.x."""
-    return getattr(obj, name, getattr(obj, v1_name, None))
+    """An attribute of an MCP type: snake_case in SDK 2.x, camelCase in 1.x (read only when
+    the 2.x name is missing: 2.x warns on the old one)."""
+    return getattr(obj, name) if hasattr(obj, name) else getattr(obj, v1_name, None)
 
 
 def _innermost(e: BaseException) -> BaseException:

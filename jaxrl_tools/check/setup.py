@@ -69,7 +69,7 @@ def check_tools(cfg: RunConfig) -> list[tools.Tool]:
     """
     built = build_tools(cfg)
     protocol = cfg.rollout.protocol
-    if protocol != "none" and not built:
+    if protocol != "none" and not built and cfg.rollout.agent is None:  # agents bring theirs
         example = (
             "{class: search, config: {corpus_path: ...}}"
             if "search" in protocol
@@ -125,6 +125,8 @@ def check_rewards(cfg: RunConfig) -> None:
 def check_ground_truths(cfg: RunConfig, records: dict[str, Sequence[dict]]) -> None:
     """Every record's ground truth is of a kind the run's rewards accept (a number where
     exact match wants strings fails at `check`, not hours in, when the policy first answers)."""
+    if cfg.data.verifiers is not None:  # the taskset's rubric scores its episodes
+        return
     reward = rewards.CompositeReward([(r.name, r.weight, r.kwargs) for r in cfg.reward])
     for split, recs in records.items():
         for n, rec in enumerate(recs):

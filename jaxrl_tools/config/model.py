@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxrl_tools import models
 from jaxrl_tools.config.checks import _at_least, _check, _check_choice
@@ -167,6 +168,9 @@ class DataSection:
     task_eval_size: int = 200
     task_difficulty: int = 2
     task_eval_all_levels: bool = False  # eval on levels 0..task_difficulty, not only the top
+    # A `verifiers` environment's tasks: {taskset: id, train: {its config}, eval: {...}}; its
+    # episodes are the rollouts (jaxrl_tools/rollout/verifiers_envs.py).
+    verifiers: dict[str, Any] | None = None
 
     def __post_init__(self):
         _check(self.batch_size >= 1, "data.batch_size", "must be >= 1")
@@ -179,3 +183,20 @@ class DataSection:
         )
         if self.task is not None:
             _check_choice(self.task, "data.task", TASKS)
+        if self.verifiers is not None:
+            v = self.verifiers
+            _check(
+                isinstance(v.get("taskset"), str) and isinstance(v.get("train"), dict),
+                "data.verifiers",
+                f"needs taskset (its id) and train (its taskset config, {{}} for none), got {v}",
+            )
+            _check(
+                set(v) <= {"taskset", "train", "eval"} and isinstance(v.get("eval", {}), dict),
+                "data.verifiers",
+                f"takes taskset, train and eval (a taskset config, or absent), got {sorted(v)}",
+            )
+            _check(
+                self.task is None and not self.train_files and not self.eval_files,
+                "data.verifiers",
+                "gives the records: remove data.task and data.train_files / eval_files",
+            )

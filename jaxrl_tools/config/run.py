@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from jaxrl_tools import algorithms, rewards
@@ -25,6 +26,8 @@ ADVANTAGE_INPUT_SOURCES = {
     "step_rewards_BS": "multi-turn environment steps (an env section: env.name)",
 }
 STEP_INPUTS = {"step_rewards_BS", "step_mask_BS", "anchor_ids_BS", "token_step_BT"}
+# The rollout.agent of data.verifiers: each run one episode of the taskset's environment.
+VERIFIERS_AGENT = "jaxrl_tools.rollout.verifiers_envs:episode"
 
 
 def _default_rewards() -> tuple[RewardSpec, ...]:
@@ -49,6 +52,16 @@ class RunConfig:
     env: EnvSection = field(default_factory=EnvSection)
 
     def __post_init__(self):
+        if self.data.verifiers is not None:  # its episodes are the rollouts
+            _check(
+                self.rollout.agent in (None, VERIFIERS_AGENT),
+                "rollout.agent",
+                f"is {self.rollout.agent!r}, but data.verifiers runs the taskset's own "
+                "episodes: remove rollout.agent",
+            )
+            object.__setattr__(
+                self, "rollout", dataclasses.replace(self.rollout, agent=VERIFIERS_AGENT)
+            )
         est, r = self.algorithm.adv_estimator, self.rollout
         # A group of one response, or of identical greedy ones, gets zero advantages everywhere.
         if algorithms.uses_group_baseline(est):

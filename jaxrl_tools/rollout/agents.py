@@ -31,6 +31,8 @@ import importlib
 import inspect
 import logging
 import numbers
+import re
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -171,13 +173,14 @@ class _EpisodeBackend:
         return done
 
 
-_RUN = contextvars.ContextVar("agent_run")  # the run a request of the shared client is from
-_HEADER = "x-jaxrl-agent-run"
+_RUN = contextvars.ContextVar("agent_run")  # the run a request on the shared routes is from
+_GATEWAY = contextvars.ContextVar("agent_gateway")  # the rollout's, for `http_base_url`
+_RUN_PATH = re.compile(r"/run/([^/]+)(/.*)")
 
 
 class _Runs:
     """The `Backend` of the shared routes: each request goes to its run's `_EpisodeBackend`
-    (named by the header its client sends)."""
+    (named by the path its client sends to)."""
 
     def __init__(self, shared: EngineBackend):
         self.tokenizer, self.model = shared.tokenizer, shared.model
@@ -188,31 +191,73 @@ class _Runs:
         return await self.runs[_RUN.get()].generate(gen, on_tokens)
 
 
-def _clients(runs: _Runs, chat: TemplateChat):
-    """The official OpenAI client on the gateway's routes, in process, and its version for one
-    run: one app and one HTTP client for all runs (a client each costs milliseconds)."""
-    import httpx  # noqa: PLC0415 -- the [agents] extra
-    import openai  # noqa: PLC0415
+class _Gateway:
+    """The gateway's routes over every run of a rollout, each run under its own path
+    (`/run/<name>/v1/...`): in process for the official client (one app and one HTTP client
+    for all runs: a client each costs milliseconds), and on a loopback port once an agent asks
+    for one (`http_base_url`)."""
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per in-process request
+    def __init__(self, runs: _Runs, chat: TemplateChat):
+        import httpx  # noqa: PLC0415 -- the [agents] extra
+        import openai  # noqa: PLC0415
 
-    from jaxrl_tools.gateway.app import make_app  # noqa: PLC0415 -- starlette: [agents]
+        from jaxrl_tools.gateway.app import make_app  # noqa: PLC0415 -- starlette: [agents]
 
-    app = make_app(runs, chat)
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+        self.app = make_app(runs, chat)
+        self.http = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.routed), base_url="http://policy", timeout=None
+        )
+        self.client = openai.AsyncOpenAI(
+            base_url="http://policy/v1", api_key="in-process", http_client=self.http, max_retries=0
+        )
+        self._server, self._started = None, None
 
-    async def routed(scope, receive, send):
-        if scope["type"] == "http":
-            headers = dict(scope["headers"])
-            _RUN.set(headers.get(_HEADER.encode(), b"").decode())
-        await app(scope, receive, send)
+    async def routed(self, scope, receive, send):
+        match = _RUN_PATH.fullmatch(scope.get("path", "")) if scope["type"] == "http" else None
+        if match is not None:
+            _RUN.set(match[1])
+            scope = {**scope, "path": match[2], "raw_path": match[2].encode()}
+        await self.app(scope, receive, send)
 
-    http = httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=routed), base_url="http://policy", timeout=None
-    )
-    base = openai.AsyncOpenAI(
-        base_url="http://policy/v1", api_key="in-process", http_client=http, max_retries=0
-    )
-    return base, lambda run: base.with_options(default_headers={_HEADER: run})
+    def client_for(self, run: str):
+        return self.client.with_options(base_url=f"http://policy/run/{run}/v1")
+
+    async def loopback(self) -> str:
+        if self._started is None:  # one server, however many runs ask at once
+            self._started = asyncio.ensure_future(self._serve())
+        return await asyncio.shield(self._started)
+
+    async def _serve(self) -> str:
+        import uvicorn  # noqa: PLC0415 -- the [agents] extra
+
+        sock = socket.create_server(("127.0.0.1", 0))
+        config = uvicorn.Config(self.routed, log_level="warning", lifespan="off", interface="asgi3")
+        self._server = uvicorn.Server(config)
+        serving = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if serving.done():
+                serving.result()  # it failed to start: its error
+            await asyncio.sleep(0.005)
+        self._serving = serving
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            await asyncio.gather(self._serving, return_exceptions=True)
+        await self.client.close()
+
+
+async def http_base_url(client) -> str:
+    """The gateway of the run `client` (the agent's) belongs to, as an OpenAI base URL over
+    HTTP on 127.0.0.1 (".../v1"), served for this rollout from the first call on: for agents
+    whose model calls leave the process or go through another HTTP client. No authentication:
+    the port is the loopback's, for the rollout's length."""
+    gateway = _GATEWAY.get(None)
+    if gateway is None:
+        raise RuntimeError("http_base_url: only a rollout.agent run has a gateway")
+    return await gateway.loopback() + client.base_url.path.rstrip("/")
 
 
 def _reward(result: Any, where: str) -> float | None:
@@ -298,14 +343,15 @@ async def arun_agent_rollouts(
     driver = shared.running()
     episodes = []
     runs = _Runs(shared)
-    base_client, client_for = _clients(runs, chat)
+    gateway = _Gateway(runs, chat)
+    _GATEWAY.set(gateway)
 
     async def run(pi: int, g: int, record: dict) -> Any:
         ep = _Episode(pi, g, jax.random.fold_in(jax.random.fold_in(base, pi), g))
         episodes.append(ep)
         name = f"{pi}-{g}"
         runs.runs[name] = _EpisodeBackend(shared, chat, ep, sampling, max_samples)
-        client = client_for(name)
+        client = gateway.client_for(name)
         where = f"record {record.get('id', pi)}, run {g}"
         try:
             result = await agent(client, dict(record))
@@ -334,7 +380,7 @@ async def arun_agent_rollouts(
         for ep in episodes:
             ep.end()
         await shared.aclose()
-        await base_client.close()
+        await gateway.aclose()
     episodes.sort(key=lambda e: (e.prompt_index, e.sample_index))
     by_key = {}
     for (pi, g), r in zip(

@@ -22,7 +22,7 @@ from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import load_config
 from jaxrl_tools.data import DataError
 from jaxrl_tools.datasets import prepare
-from jaxrl_tools.demo import runner
+from jaxrl_tools.demo import runner, seeds
 from jaxrl_tools.interop.repro import repro
 from jaxrl_tools.tools import SandboxUnavailableError
 from jaxrl_tools.train.signals import RunInterrupted
@@ -36,6 +36,7 @@ _VALUE_OPTIONS = (
     "--baseline-reward",
     "--baseline-estimator",
     "--baseline-agent",
+    "--seeds",
     "--batch",
     "--mesh",
     "--accelerator",
@@ -110,12 +111,15 @@ def _dispatch(args, cfg) -> int | None:
         print(f"jaxrl-tools check: {what} is ready to run (nothing was trained)")
         print(check.format_summary(summary))
     elif args.command == "demo":
-        runner.demo(
-            cfg,
+        baseline = dict(
             baseline_reward=args.baseline_reward,
             baseline_estimator=args.baseline_estimator,
             baseline_agent=args.baseline_agent,
         )
+        if args.seeds is None:
+            runner.demo(cfg, **baseline)
+        else:
+            seeds.demo_seeds(cfg, args.seeds, **baseline)
     elif args.command == "train":
         summary = run.train(cfg)
         print({k: v for k, v in summary["final_metrics"].items() if not k.startswith("time")})
@@ -200,6 +204,16 @@ def _plan(cfg, args) -> "plan.RunPlan":
     )
 
 
+def _seed_list(text: str) -> list[int]:
+    try:
+        out = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give seeds as 0,1,2") from None
+    if len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"{text!r}: a seed is repeated")
+    return out
+
+
 def _mesh_shape(text: str) -> tuple[int, int, int]:
     try:
         d, f, t = (int(x) for x in text.lower().replace(" ", "").split("x"))
@@ -264,6 +278,12 @@ def main(argv=None) -> int:
         "--baseline-agent",
         help="also run RL from the same SFT policy with this rollout.agent, and compare "
         "(e.g. `rollout.protocol=qwen --baseline-agent jaxrl_tools.demo.agent:tool_math_agent`)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=_seed_list,
+        help="run the demo once per seed (e.g. 0,1,2: trainer.seed, model.tiny.seed and "
+        "data.shuffle_seed) and print its figure as a spread over them (seeds.md in log_dir)",
     )
     p = command("train", "SFT (if enabled) then RL, with checkpoints; resumes a killed run")
     p.add_argument(

@@ -31,7 +31,7 @@ def _episode_row(name: str, m: dict) -> str:
     )
 
 
-def _label(run: dict, key: str) -> str:
+def label(run: dict, key: str) -> str:
     """A run's name in the report: its reward or estimator (`key`), and its agent if any."""
     agent = run.get("agent")
     return run[key] + (f", agent {agent.rsplit(':', 1)[1]}" if agent else "")
@@ -41,7 +41,7 @@ def episodes_report(summary: dict, baseline: dict | None = None) -> str:
     """A grid-game demo's report: success on held-out episodes (unseen seeds) before vs after
     RL, and against a baseline estimator's run from the same SFT policy."""
     b, a = summary["before"], summary["after"]
-    name = f"SFT + RL ({_label(summary, 'estimator')})"
+    name = f"SFT + RL ({label(summary, 'estimator')})"
     lines = [
         f"# jaxrl-tools demo: {summary['run_name']}",
         "",
@@ -52,18 +52,18 @@ def episodes_report(summary: dict, baseline: dict | None = None) -> str:
         _episode_row("SFT (before RL)", b),
     ]
     if baseline is not None:
-        lines.append(_episode_row(f"SFT + RL ({_label(baseline, 'estimator')})", baseline["after"]))
+        lines.append(_episode_row(f"SFT + RL ({label(baseline, 'estimator')})", baseline["after"]))
     lines += [
         _episode_row(name, a),
         "",
-        f"RL ({_label(summary, 'estimator')}) changed the held-out success rate by "
+        f"RL ({label(summary, 'estimator')}) changed the held-out success rate by "
         f"{(a['env/success_rate'] - b['env/success_rate']) * 100:+.1f} points "
         f"({b['env/success_rate'] * 100:.1f}% -> {a['env/success_rate'] * 100:.1f}%).",
     ]
     if baseline is not None:
         base = baseline["after"]["env/success_rate"]
         lines.append(
-            f"Against {_label(baseline, 'estimator')} at the same budget from the same SFT policy: "
+            f"Against {label(baseline, 'estimator')} at the same budget from the same SFT policy: "
             f"{(a['env/success_rate'] - base) * 100:+.1f} points ({base * 100:.1f}% -> "
             f"{a['env/success_rate'] * 100:.1f}%)."
         )
@@ -82,7 +82,7 @@ def demo_report(summary: dict, baseline: dict | None = None) -> str:
     b, a = summary["before"], summary["after"]
     acc_b, acc_a = b["reward/accuracy"] * 100, a["reward/accuracy"] * 100
     tool_b, tool_a = b["tools/used_frac"] * 100, a["tools/used_frac"] * 100
-    name = f"SFT + RL ({_label(summary, 'reward_name')})"
+    name = f"SFT + RL ({label(summary, 'reward_name')})"
     lines = [
         f"# jaxrl-tools demo: {summary['run_name']}",
         "",
@@ -95,13 +95,11 @@ def demo_report(summary: dict, baseline: dict | None = None) -> str:
         _report_row("SFT (before RL)", b),
     ]
     if baseline is not None:
-        lines.append(
-            _report_row(f"SFT + RL ({_label(baseline, 'reward_name')})", baseline["after"])
-        )
+        lines.append(_report_row(f"SFT + RL ({label(baseline, 'reward_name')})", baseline["after"]))
     lines += [
         _report_row(name, a),
         "",
-        f"RL ({_label(summary, 'reward_name')}) changed held-out accuracy by "
+        f"RL ({label(summary, 'reward_name')}) changed held-out accuracy by "
         f"{acc_a - acc_b:+.1f} points ({acc_b:.1f}% -> {acc_a:.1f}%) and the tool-call rate by "
         f"{tool_a - tool_b:+.1f} points.",
     ]
@@ -110,7 +108,7 @@ def demo_report(summary: dict, baseline: dict | None = None) -> str:
         calls, base_calls = a["tools/calls_per_response"], base["tools/calls_per_response"]
         change = f" ({(calls / base_calls - 1) * 100:+.0f}%)" if base_calls else ""
         lines.append(
-            f"Against RL with {_label(baseline, 'reward_name')} from the same SFT policy: accuracy "
+            f"Against RL with {label(baseline, 'reward_name')} from the same SFT policy: accuracy "
             f"{(a['reward/accuracy'] - base['reward/accuracy']) * 100:+.1f} points, tool calls "
             f"per response {calls:.2f} vs {base_calls:.2f}{change}, tool productivity (correct "
             f"answers per tool call) {_productivity(a)} vs {_productivity(base)}."

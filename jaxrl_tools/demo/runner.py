@@ -85,6 +85,7 @@ def demo(
     )
     print(text)
     print(f"(wall time {summary['wall_time_s']:.0f} s; report in {out / 'report.md'})")
+    summary["baseline"] = baseline
     return summary
 
 

@@ -1,0 +1,116 @@
+"""`jaxrl-tools demo --seeds 0,1,2`: the demo once per seed, then its headline figure as a
+spread over the seeds, so a README's claim can be checked on any machine.
+
+Seed s is `trainer.seed=s model.tiny.seed=s data.shuffle_seed=s` (another initialisation,
+other SFT traces and sampling, another order of the data; the held-out set is the same). Each
+seed writes its own report under `trainer.log_dir/seed<s>`; `seeds.md` and `seeds.json` in
+`trainer.log_dir` hold the table: every seed's figures before RL, after RL (and after the
+baseline's RL), the change with its standard error (held-out problems as binomial draws), and
+the mean and standard deviation over the seeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from jaxrl_tools import sharding
+from jaxrl_tools.config import RunConfig
+from jaxrl_tools.demo import report, runner
+from jaxrl_tools.train.metrics import write_json
+
+# The figure each kind of demo is judged by, first match wins.
+HEADLINES = (
+    ("env/success_rate", "success rate"),
+    ("calls/exact_call_accuracy", "exact-call accuracy"),
+    ("reward/accuracy", "accuracy"),
+)
+
+
+def seed_config(cfg: RunConfig, seed: int) -> RunConfig:
+    """`cfg` with seed `seed` everywhere a demo draws, its outputs in folders of their own."""
+    t, m = cfg.trainer, cfg.model  # (model.tiny.seed changes nothing for a model.path)
+    return dataclasses.replace(
+        cfg,
+        trainer=dataclasses.replace(
+            t,
+            seed=seed,
+            log_dir=str(Path(t.log_dir) / f"seed{seed}"),
+            checkpoint_dir=str(Path(t.checkpoint_dir) / f"seed{seed}"),
+        ),
+        model=dataclasses.replace(m, tiny=dataclasses.replace(m.tiny, seed=seed)),
+        data=dataclasses.replace(cfg.data, shuffle_seed=seed),
+    )
+
+
+def demo_seeds(cfg: RunConfig, seeds: Sequence[int], **baseline) -> dict:
+    """Runs `runner.demo` for every seed (configs built, and so checked, before any runs) and
+    writes the spread; `baseline` is `runner.demo`'s baseline_* arguments."""
+    configs = [seed_config(cfg, s) for s in seeds]
+    runs = [runner.demo(c, **baseline) for c in configs]
+    table = spread(list(seeds), runs, cfg)
+    if sharding.is_main_process():
+        out = Path(cfg.trainer.log_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "seeds.md").write_text(table["markdown"])
+        write_json(out / "seeds.json", {k: v for k, v in table.items() if k != "markdown"})
+    print(table["markdown"])
+    return table
+
+
+def _draws(cfg: RunConfig, metrics: dict) -> int:
+    """Held-out answers behind a rate: problems x samples each (sampled evaluation)."""
+    r = cfg.rollout
+    return metrics["num_problems"] * (r.eval_group_size if r.eval_temperature > 0 else 1)
+
+
+def spread(seeds: list[int], runs: list[dict], cfg: RunConfig) -> dict:
+    """The headline figure per seed (before, after, baseline) and over the seeds."""
+    key, name = next((k, n) for k, n in HEADLINES if k in runs[0]["after"])
+    has_base = runs[0].get("baseline") is not None
+    rows = []
+    for seed, run in zip(seeds, runs):
+        before, after = run["before"][key], run["after"][key]
+        n_b, n_a = _draws(cfg, run["before"]), _draws(cfg, run["after"])
+        se = math.sqrt(before * (1 - before) / n_b + after * (1 - after) / n_a)
+        row = {"seed": seed, "before": before, "after": after, "change": after - before}
+        row |= {"change_se": se, "wall_time_s": run["wall_time_s"]}
+        if has_base:
+            row["baseline"] = run["baseline"]["after"][key]
+        rows.append(row)
+    cols = ["before", "after", "change"] + (["baseline"] if has_base else [])
+    stats = {c: _mean_sd([r[c] for r in rows]) for c in cols}
+    by = "estimator" if key == "env/success_rate" else "reward_name"
+    base_label = f" | after RL ({report.label(runs[0]['baseline'], by)})" if has_base else ""
+    lines = [
+        f"# jaxrl-tools demo over seeds {', '.join(map(str, seeds))}: {cfg.trainer.run_name}",
+        "",
+        f"Held-out {name} ({runs[0]['eval_desc']}); change = after - before, +- its standard "
+        "error (held-out answers as binomial draws).",
+        "",
+        f"| seed | before RL | after RL ({report.label(runs[0], by)}){base_label} | change | "
+        "wall time |",
+        "| --- | --- | --- |" + (" --- |" if has_base else "") + " --- | --- |",
+    ]
+    for r in rows:
+        base = f" | {r['baseline'] * 100:.1f}%" if has_base else ""
+        lines.append(
+            f"| {r['seed']} | {r['before'] * 100:.1f}% | {r['after'] * 100:.1f}%{base} | "
+            f"{r['change'] * 100:+.1f} +- {r['change_se'] * 100:.1f} | {r['wall_time_s']:.0f} s |"
+        )
+    pct = lambda c: f"{stats[c][0] * 100:.1f} (sd {stats[c][1] * 100:.1f})"  # noqa: E731
+    base = f" | {pct('baseline')}" if has_base else ""
+    times = [r["wall_time_s"] for r in rows]
+    lines.append(
+        f"| mean | {pct('before')} | {pct('after')}{base} | {stats['change'][0] * 100:+.1f} "
+        f"(sd {stats['change'][1] * 100:.1f}) | {min(times):.0f}-{max(times):.0f} s |"
+    )
+    return {"metric": key, "rows": rows, "mean_sd": stats, "markdown": "\n".join(lines) + "\n"}
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+    return mean, math.sqrt(var)

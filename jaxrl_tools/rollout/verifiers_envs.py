@@ -81,11 +81,11 @@ def _harness():
                     reply = await client.chat.completions.create(
                         model=ctx.model, messages=messages, **kwargs
                     )
-                    message = reply.choices[0].message
-                    messages.append(message.model_dump(exclude_none=True))
-                    if not message.tool_calls:
-                        break
-                    for call in message.tool_calls:
+                    choice = reply.choices[0]
+                    messages.append(choice.message.model_dump(exclude_none=True))
+                    if not choice.message.tool_calls or choice.finish_reason == "length":
+                        break  # an answer, or the episode's token budget is spent
+                    for call in choice.message.tool_calls:
                         messages.append(await _tool_message(call, dispatch, connected))
             return vf.ProgramResult(exit_code=0, stdout="", stderr="")
 

@@ -107,7 +107,8 @@ def get_source(name: str) -> Source:
 
 
 def source_name(cfg: RunConfig) -> str:
-    """The source a config reads: its environment, else its generated task, else its files."""
+    """The source a config reads: its environment, else its verifiers taskset, else its
+    generated task, else its files."""
     if cfg.env.name is not None:
         return "env"
     if cfg.data.verifiers is not None:

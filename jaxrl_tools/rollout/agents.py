@@ -211,7 +211,7 @@ class _Gateway:
         self.client = openai.AsyncOpenAI(
             base_url="http://policy/v1", api_key="in-process", http_client=self.http, max_retries=0
         )
-        self._server, self._started = None, None
+        self._server, self._serving, self._started = None, None, None
 
     async def routed(self, scope, receive, send):
         match = _RUN_PATH.fullmatch(scope.get("path", "")) if scope["type"] == "http" else None
@@ -234,16 +234,15 @@ class _Gateway:
         sock = socket.create_server(("127.0.0.1", 0))
         config = uvicorn.Config(self.routed, log_level="warning", lifespan="off", interface="asgi3")
         self._server = uvicorn.Server(config)
-        serving = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        self._serving = asyncio.ensure_future(self._server.serve(sockets=[sock]))
         while not self._server.started:
-            if serving.done():
-                serving.result()  # it failed to start: its error
+            if self._serving.done():
+                self._serving.result()  # it failed to start: its error
             await asyncio.sleep(0.005)
-        self._serving = serving
         return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
     async def aclose(self) -> None:
-        if self._server is not None:
+        if self._serving is not None:
             self._server.should_exit = True
             await asyncio.gather(self._serving, return_exceptions=True)
         await self.client.close()

@@ -40,6 +40,7 @@ EXTRA_ONLY = {
     "httpx": "agents",
     "starlette": "agents",
     "uvicorn": "agents",
+    "verifiers": "verifiers",
 }
 HEAVY = ("jetstream", "tensorflow", "seqio")  # what the training path must not import
 # Distributions the core install must not pull in, even transitively: TensorFlow (~2 GB, via

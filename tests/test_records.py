@@ -35,12 +35,12 @@ TASK = {"task": "tool_arithmetic", "task_train_size": 8, "task_eval_size": 4}
 
 
 def test_the_registry_names_its_sources_and_refuses_others_in_one_line():
-    assert records.list_sources() == ["env", "files", "task"]
+    assert records.list_sources() == ["env", "files", "task", "verifiers"]
     for name in records.list_sources():
         assert records.get_source(name).name == name
     with pytest.raises(ValueError) as e:
         records.get_source("parquet")
-    assert str(e.value) == "unknown record source 'parquet'; valid: env, files, task"
+    assert str(e.value) == "unknown record source 'parquet'; valid: env, files, task, verifiers"
 
 
 def test_the_config_chooses_the_source():

@@ -303,9 +303,10 @@ def test_anchor_metrics_count_shared_states_within_each_prompt_group():
     assert m["env/anchor_shared_frac"] == pytest.approx(5 / 8)
 
 
-@pytest.mark.parametrize("last_cut", [False, True])
-def test_gigpo_end_to_end_matches_numpy_oracle(last_cut):
-    cfg = config_from_dict(cfg_dict(adv_estimator="gigpo", gigpo_omega=0.7))
+@pytest.mark.parametrize("last_cut,step_gamma", [(False, 0.95), (True, 0.95), (True, 0.5)])
+def test_gigpo_end_to_end_matches_numpy_oracle(last_cut, step_gamma):
+    algorithm = dict(adv_estimator="gigpo", gigpo_omega=0.7, step_gamma=step_gamma)
+    cfg = config_from_dict(cfg_dict(**algorithm))
     episodes = Episodes.from_section(cfg.env)
     records, trajs = scripted_batch(episodes, last_cut=last_cut)
     reward = run.make_reward(cfg)
@@ -318,10 +319,10 @@ def test_gigpo_end_to_end_matches_numpy_oracle(last_cut):
         len(t.env_states) for t in trajs[:G]
     )
     adv = trainer_advantages(cfg, batch)
-    expected = per_token(trajs, gigpo_oracle(trajs, scores, 0.95, 0.7))
+    expected = per_token(trajs, gigpo_oracle(trajs, scores, step_gamma, 0.7))
     check_rows(adv, trajs, expected)
     # ... and the same as the estimator itself on hand-built inputs of those trajectories
-    acfg = algorithms.AdvantageConfig(group_size=G, gigpo_omega=0.7)
+    acfg = algorithms.AdvantageConfig(group_size=G, gigpo_omega=0.7, step_gamma=step_gamma)
     direct, _ = algorithms.compute_advantages(
         "gigpo",
         algorithms.AdvantageInputs(

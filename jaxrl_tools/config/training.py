@@ -63,6 +63,7 @@ class AlgorithmSection:
     vapo_alpha: float = 0.05  # VAPO length-adaptive λ = 1 - 1/(α·|o|)
     nll_coef: float = 0.0  # VAPO positive-example NLL weight (0.1 in the paper)
     gigpo_omega: float = 1.0
+    step_gamma: float = 0.95  # GiGPO: γ of the discounted step returns within anchor groups
     turn_gamma: float = 0.4  # Kevin: a turn's return = its score + turn_gamma x the next turn's
     turn_group_norm: bool = True  # Kevin: normalise turn returns over the prompt's group
     # Truncated importance sampling against the sampler's log-probs: each token's policy loss is
@@ -102,6 +103,11 @@ class AlgorithmSection:
         _check(self.entropy_coef >= 0, "algorithm.entropy_coef", "must be >= 0")
         _check(0 <= self.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {self.gamma}")
         _check(0 <= self.lam <= 1, "algorithm.lam", f"must be in [0, 1], got {self.lam}")
+        _check(
+            0 <= self.step_gamma <= 1,
+            "algorithm.step_gamma",
+            f"must be in [0, 1], got {self.step_gamma}",
+        )
         _check(
             0 <= self.turn_gamma <= 1,
             "algorithm.turn_gamma",

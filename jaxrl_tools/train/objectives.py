@@ -48,6 +48,7 @@ def advantage_config(
         vapo_alpha=a.vapo_alpha,
         critic_lam=critic.lam,
         gigpo_omega=a.gigpo_omega,
+        step_gamma=a.step_gamma,
         turn_gamma=a.turn_gamma,
         turn_group_norm=a.turn_group_norm,
     )

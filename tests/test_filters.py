@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from jaxrl_tools.algorithms import accuracy_band_filter, dynamic_sampling_filter, starpo_s_filter
+from jaxrl_tools.train.batch import group_reward_metrics
 
 
 def rand_rewards(seed, num_groups=12, G=4):
@@ -61,3 +62,20 @@ def test_errors():
         starpo_s_filter(np.zeros((2, 2)), keep_fraction=0.0)
     with pytest.raises(ValueError, match="low <= high"):
         accuracy_band_filter(np.zeros((2, 2)), low=0.9, high=0.1)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_within_group_reward_spread_metrics(seed):
+    """RAGEN's echo-trap signal against a loop over the groups (sample std, as StarPO-S)."""
+    r = rand_rewards(seed)
+    r[2] = [0.5, 0.5, 0.25, 1.0]
+    m = group_reward_metrics(r.reshape(-1), 4)
+    stds, uniform = [], 0
+    for group in r:
+        mean = sum(group) / 4
+        stds.append((sum((x - mean) ** 2 for x in group) / 3) ** 0.5)
+        uniform += all(x == group[0] for x in group)
+    assert m["reward/group_std"] == pytest.approx(sum(stds) / len(stds))
+    assert m["reward/uniform_groups_frac"] == pytest.approx(uniform / len(r))
+    assert m["reward/uniform_groups_frac"] >= 2 / 12  # groups 0 and 1
+    assert group_reward_metrics(r.reshape(-1), 1) == {}  # one sample a prompt: no groups

@@ -97,11 +97,26 @@ def score_trajectories(
         raise RewardError(f"{where}, sample {e.index % group_size}: {e}", e.index) from None
 
 
+def group_reward_metrics(scores: np.ndarray, group_size: int) -> dict:
+    """RAGEN's signal of the "echo trap": the reward spread within each prompt's group (the
+    sample std, as StarPO-S ranks groups by), averaged over the groups, and the share of groups
+    whose samples all scored alike (no advantage, no gradient). A batch-wide std hides a
+    collapse that happens group by group."""
+    if group_size < 2 or len(scores) % group_size:
+        return {}
+    groups = scores.reshape(-1, group_size)
+    return {
+        "reward/group_std": float(groups.std(axis=1, ddof=1).mean()),
+        "reward/uniform_groups_frac": float((groups.max(axis=1) == groups.min(axis=1)).mean()),
+    }
+
+
 def rollout_metrics(
     trajectories: Sequence[Trajectory], scores: np.ndarray, parts: dict, *, group_size: int
 ) -> dict:
     """Reward, accuracy, tool-use and length statistics of a batch of trajectories (`group_size`
-    consecutive ones per prompt: the anchor-state statistics of environment episodes)."""
+    consecutive ones per prompt: the within-group reward spread, and the anchor-state
+    statistics of environment episodes)."""
     calls = np.array([t.num_tool_calls for t in trajectories], np.float32)
     records = [r for t in trajectories for r in t.tool_calls]
     errors = sum(1 for r in records if not r.ok)
@@ -109,6 +124,7 @@ def rollout_metrics(
     out = {
         "reward/mean": float(np.mean(scores)),
         "reward/std": float(np.std(scores)),
+        **group_reward_metrics(np.asarray(scores, np.float64), group_size),
         "tools/calls_per_response": float(calls.mean()),
         "tools/error_rate": errors / max(1, len(records)),
         "tools/used_frac": float((calls > 0).mean()),

@@ -309,6 +309,11 @@ def test_agent_settings_that_cannot_work_are_one_line_errors(tmp_path):
 
     with pytest.raises(ConfigError, match=r"rollout.agent.*'package.module:function'"):
         RolloutSection(agent="not a path")
+    with pytest.raises(ConfigError, match=r"max_turn_tokens .*an agent caps its own"):
+        RolloutSection(agent="my_agents:run", max_turn_tokens=8)
+    with pytest.raises(ConfigError, match=r"rollout.agent is 'my_agents:run', but data.verif"):
+        verifiers = ["data.task=null", "data.verifiers={taskset: t, train: {}}"]
+        load_config(configs.path("grpo_tool_math"), ["rollout.agent=my_agents:run", *verifiers])
     with pytest.raises(ConfigError, match=r"rollout.agent.*got rollout.protocol='retool'"):
         load_config(configs.path("grpo_tool_math"), ["rollout.agent=my_agents:run"])
     with pytest.raises(

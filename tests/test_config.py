@@ -128,6 +128,8 @@ def test_the_dual_clip_is_the_policy_losss_own_unless_set():
         ),
         ("rollout.group_size=0", "rollout.group_size must be >= 1"),
         ("rollout.max_parked=-1", "rollout.max_parked must be >= 0 or null, got -1"),
+        ("rollout.max_turn_tokens=97", "rollout.max_turn_tokens must be in [1, max_response_len"),
+        ("algorithm.step_gamma=1.5", "algorithm.step_gamma must be in [0, 1], got 1.5"),
         ("rollout.protocol=openai", "rollout.protocol='openai' is not one of"),
         ("algorithm.adv_estimator=grp0", "did you mean 'grpo'"),
         ("algorithm.loss_agg_mode=mean", "algorithm.loss_agg_mode"),

@@ -145,9 +145,12 @@ def _enc(tok, s):
 
 
 def _engine(tiny, tok, segments, slots=2):
+    return _engine_ids(tiny, tok, [t for s in segments for t in _enc(tok, s)], slots)
+
+
+def _engine_ids(tiny, tok, script, slots=2):
     config, params = tiny
-    script = [t for s in segments for t in _enc(tok, s)]
-    script += [script[-1]] * (SCRIPT_LEN - len(script))
+    script = list(script) + [script[-1]] * (SCRIPT_LEN - len(script))
     eng = EngineCore(
         config,
         params,
@@ -456,6 +459,37 @@ def test_env_turns_ragen_style(tiny, tok):
         limits=RolloutLimits(chunk_size=8, max_turns=1),
     )
     assert t.finish_reason == "turns"
+
+
+def test_a_turn_past_max_turn_tokens_ends_the_response_or_is_the_envs_action(tiny, tok):
+    """Search-R1's per-turn cap: a tool turn within it runs; a turn cut at it ends the response
+    ("turn_length"), nothing of it executed; with an environment the cut text is the action."""
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    ramble = _enc(tok, "So the answer is five, since two and three make five in all.<|im_end|>")
+    cap = len(_enc(tok, call)) + 2  # the call fits, the answer does not
+    assert len(ramble) > cap
+    eng, params = _engine_ids(tiny, tok, _enc(tok, call) + ramble)
+    limits = RolloutLimits(chunk_size=8, max_response_tokens=200, max_turn_tokens=cap)
+    msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+    (t,) = run_rollouts(
+        eng, params, [msgs], tokenizer=tok, protocol=get_parser("qwen"),
+        executor=ToolExecutor([add]), sampling=GREEDY, limits=limits,
+    )  # fmt: skip
+    assert t.finish_reason == "turn_length" and t.num_tool_calls == 1
+    assert [s.kind for s in t.spans] == ["model", "observation", "model"]
+    last = t.spans[-1]
+    assert t.response_ids[last.start : last.end] == ramble[:cap]
+    # an environment gets the cut turn as its action, and the episode goes on
+    answer = _enc(tok, "<answer>Up</answer><|im_end|>")
+    eng, params = _engine_ids(tiny, tok, ramble[: len(answer)] + answer)
+    envs = []
+    (t,) = run_rollouts(
+        eng, params, [[1, 2]], tokenizer=tok, env_factory=lambda pi, g: envs.append(GridEnv())
+        or envs[-1], sampling=GREEDY,
+        limits=RolloutLimits(chunk_size=8, max_turns=5, max_turn_tokens=len(answer)),
+    )  # fmt: skip
+    assert t.finish_reason == "done" and t.env_rewards == [0.5, 0.5]
+    assert envs[0].actions == [tok.decode(ramble[: len(answer)]), "<answer>Up</answer>"]
 
 
 def test_ragen_turns_on_frozenlake_record_rewards_and_anchor_states(tiny, tok):

@@ -28,6 +28,9 @@ class RolloutSection:
     max_response_len: int = 1024  # model + observation tokens of one response
     max_tool_calls: int = 3  # C: later calls are answered with a budget notice
     max_turns: int = 4  # model turns per response (with an env section, env.max_turns rules)
+    # Tokens one model turn may generate (Search-R1's per-turn cap); a turn cut there ends the
+    # response ("turn_length"), or is an environment's action as written. null = no cap.
+    max_turn_tokens: int | None = None
     chunk_size: int = 32  # tokens decoded per jitted chunk before the host looks for tool calls
     slots: int = 64  # concurrent sequences in the decode engine's KV cache
     # Trajectories waiting on a tool that may hand their slot to a waiting sample, their cache
@@ -76,6 +79,17 @@ class RolloutSection:
             "agent_max_samples",
         )
         _check(self.max_tool_calls >= 0, "rollout.max_tool_calls", "must be >= 0")
+        _check(
+            self.max_turn_tokens is None or 1 <= self.max_turn_tokens <= self.max_response_len,
+            "rollout.max_turn_tokens",
+            f"must be in [1, max_response_len={self.max_response_len}] or null, got "
+            f"{self.max_turn_tokens}",
+        )
+        _check(
+            self.max_turn_tokens is None or self.agent is None,
+            "rollout.max_turn_tokens",
+            "caps the built-in loop's turns; an agent caps its own (max_tokens per request)",
+        )
         _check(
             self.max_parked is None or self.max_parked >= 0,
             "rollout.max_parked",

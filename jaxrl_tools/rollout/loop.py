@@ -72,6 +72,8 @@ class RolloutLimits:
       max_response_tokens: response tokens (model + observation) before finishing with "length".
       max_tool_calls: C, tool calls executed per trajectory; later calls get BUDGET_NOTICE.
       max_turns: model segments per trajectory.
+      max_turn_tokens: tokens one model segment may generate (None: no cap); a segment cut
+        there ends with "turn_length" (`Resolver.end_segment`).
       max_obs_tokens: cap per tool output (head + "..." + tail beyond it).
       chunk_size: decode steps per jitted generate call.
       max_context_tokens: prompt + response tokens of one trajectory (None: the engine's
@@ -88,11 +90,12 @@ class RolloutLimits:
     chunk_size: int = 16
     max_context_tokens: int | None = None
     max_parked: int | None = None
+    max_turn_tokens: int | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if v is None and f.name in ("max_context_tokens", "max_parked"):
+            if v is None and f.name in ("max_context_tokens", "max_parked", "max_turn_tokens"):
                 continue
             least = 0 if f.name in ("max_tool_calls", "max_parked") else 1
             if not isinstance(v, int) or v < least:
@@ -392,8 +395,8 @@ class Driver:
         starts its tool / environment task."""
         s = self.samples[i]
         room = self.limits.max_response_tokens - len(s.traj.response_ids)
-        if s.max_new is not None:
-            room = min(room, s.max_new - len(s.seg_tokens))
+        turn_cap = s.max_new if s.max_new is not None else self.limits.max_turn_tokens
+        turn_room = room if turn_cap is None else turn_cap - len(s.seg_tokens)
         keep, reason, stop_end = scan_chunk(
             toks,
             segment=s.seg_tokens,
@@ -401,9 +404,11 @@ class Driver:
             eos_ids=self.eos,
             tool_stops=self.tool_stops,
             final_stops=self.final_stops if s.stops is None else s.stops,
-            room=room,
+            room=min(room, turn_room),
             context=self.resolver.ctx_limit - s.length,
         )
+        if reason == "length" and turn_room < room and s.max_new is None:
+            reason = "turn_length"  # the turn's cap, not the response's
         s.add_model(toks[:keep], lps[:keep])
         if s.on_tokens is not None and keep:
             s.on_tokens(toks[:keep], [float(x) for x in lps[:keep]])

@@ -163,10 +163,11 @@ class Resolver:
     def end_segment(
         self, s: Sample, reason: str, stop_end: int | None
     ) -> Finish | Coroutine[Any, Any, Outcome]:
-        """After a segment ended with `reason` in {"tool", "eos", "stop", "length", "budget"}: a
-        Finish now, or a coroutine (the tool calls or environment step) whose result is an
-        Outcome."""
-        if reason in ("length", "budget"):
+        """After a segment ended with `reason` in {"tool", "eos", "stop", "length", "budget",
+        "turn_length"}: a Finish now, or a coroutine (the tool calls or environment step) whose
+        result is an Outcome. A turn cut at `max_turn_tokens` is an environment's action as
+        written (RAGEN: most likely a malformed one); else it ends the trajectory."""
+        if reason in ("length", "budget") or (reason == "turn_length" and s.env is None):
             return Finish(reason)
         seg_text = self.decode(s.seg_tokens) if self.tokenizer is not None else ""
         if stop_end is not None:

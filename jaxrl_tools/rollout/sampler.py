@@ -101,6 +101,7 @@ class Sampler:
             max_response_tokens=settings.max_response_len,
             max_tool_calls=settings.max_tool_calls,
             max_turns=settings.max_turns,
+            max_turn_tokens=settings.max_turn_tokens,
             max_obs_tokens=settings.max_obs_tokens,
             chunk_size=settings.chunk_size,
             max_parked=settings.max_parked,

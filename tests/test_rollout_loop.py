@@ -234,6 +234,39 @@ def test_scripted_qwen_tool_calls_with_budget(tiny, tok):
         assert t.num_turns == 3
 
 
+def test_a_call_past_the_budget_gets_the_recipes_notice_or_ends_the_response(tiny, tok):
+    """`rollout.over_budget`: "notice" with the recipe's words (ZeroTIR's own), or "end"."""
+    call1 = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    call2 = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}\n</tool_call>'
+    eng, params = _engine(tiny, tok, [call1, call2, "5.<|im_end|>"])
+    msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+
+    def rollout(**budget):
+        limits = RolloutLimits(max_tool_calls=1, chunk_size=8, max_response_tokens=200, **budget)
+        (t,) = run_rollouts(
+            eng, params, [msgs], tokenizer=tok, protocol=get_parser("qwen"),
+            executor=ToolExecutor([add]), sampling=GREEDY, limits=limits,
+        )  # fmt: skip
+        return t
+
+    t = rollout(budget_notice="No more code: answer now.")
+    assert _spans_text(tok, t)[3] == (
+        "observation",
+        chat_continuation(tok, "tool", ["No more code: answer now."]),
+    )
+    assert t.finish_reason == "eos" and t.tool_calls[1].observation == "No more code: answer now."
+    t = rollout(over_budget="end")
+    assert t.finish_reason == "tool_budget"
+    assert [s for _, s in _spans_text(tok, t)] == [
+        call1,
+        chat_continuation(tok, "tool", ["5"]),
+        call2,
+    ]
+    assert [(c.executed, c.error) for c in t.tool_calls] == [(True, None), (False, "budget")]
+    with pytest.raises(ValueError, match="over_budget must be one of"):
+        RolloutLimits(over_budget="ignore")
+
+
 def test_other_slots_decode_while_a_slow_tool_runs(tiny, tok):
     """The first tool call sleeps 1 s; meanwhile the other slot gets its (instant) result, finishes
     its sample and starts the next ones: decode chunks run during the sleep."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from jaxrl_tools import envs, tools
 from jaxrl_tools.config.checks import ConfigError, _at_least, _check, _check_choice
+from jaxrl_tools.rollout.resolver import BUDGET_NOTICE, OVER_BUDGET
 from jaxrl_tools.rollout.sampler import ENGINES as ROLLOUT_ENGINES
 
 PROTOCOLS = (*sorted(tools.PARSERS), "none")
@@ -26,7 +27,11 @@ class RolloutSection:
     top_k: int = 0  # 0 = off
     max_prompt_len: int = 512
     max_response_len: int = 1024  # model + observation tokens of one response
-    max_tool_calls: int = 3  # C: later calls are answered with a budget notice
+    max_tool_calls: int = 3  # C: what a later call gets is `over_budget`'s
+    # A call past the budget: "notice" (its observation is `budget_notice`; ZeroTIR words it its
+    # own way) or "end" (the response ends there, finish reason "tool_budget").
+    over_budget: str = "notice"
+    budget_notice: str = BUDGET_NOTICE
     max_turns: int = 4  # model turns per response (with an env section, env.max_turns rules)
     # Tokens one model turn may generate (Search-R1's per-turn cap); a turn cut there ends the
     # response ("turn_length"), or is an environment's action as written. null = no cap.
@@ -59,6 +64,7 @@ class RolloutSection:
     def __post_init__(self):
         _check_choice(self.protocol, "rollout.protocol", PROTOCOLS)
         _check_choice(self.engine, "rollout.engine", tuple(ROLLOUT_ENGINES))
+        _check_choice(self.over_budget, "rollout.over_budget", OVER_BUDGET)
         _check(self.group_size >= 1, "rollout.group_size", f"must be >= 1, got {self.group_size}")
         _check(self.temperature >= 0, "rollout.temperature", "must be >= 0")
         _check(self.eval_temperature >= 0, "rollout.eval_temperature", "must be >= 0")

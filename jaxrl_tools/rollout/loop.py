@@ -53,7 +53,14 @@ import jax
 import numpy as np
 
 from jaxrl_tools.prompts import encode_prompt
-from jaxrl_tools.rollout.resolver import BUDGET_NOTICE, Append, Finish, Resolver, Sample
+from jaxrl_tools.rollout.resolver import (
+    BUDGET_NOTICE,
+    OVER_BUDGET,
+    Append,
+    Finish,
+    Resolver,
+    Sample,
+)
 from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.rollout.scheduler import SlotScheduler
 from jaxrl_tools.rollout.stops import scan_chunk
@@ -70,7 +77,9 @@ class RolloutLimits:
 
     Attributes:
       max_response_tokens: response tokens (model + observation) before finishing with "length".
-      max_tool_calls: C, tool calls executed per trajectory; later calls get BUDGET_NOTICE.
+      max_tool_calls: C, tool calls executed per trajectory; later calls get `budget_notice`
+        as their observation (`over_budget` "notice"), or end the trajectory ("end": finish
+        reason "tool_budget").
       max_turns: model segments per trajectory.
       max_turn_tokens: tokens one model segment may generate (None: no cap); a segment cut
         there ends with "turn_length" (`Resolver.end_segment`).
@@ -91,10 +100,16 @@ class RolloutLimits:
     max_context_tokens: int | None = None
     max_parked: int | None = None
     max_turn_tokens: int | None = None
+    over_budget: str = "notice"
+    budget_notice: str = BUDGET_NOTICE
 
     def __post_init__(self):
+        if self.over_budget not in OVER_BUDGET:
+            raise ValueError(f"RolloutLimits.over_budget must be one of {OVER_BUDGET}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name in ("over_budget", "budget_notice"):
+                continue
             if v is None and f.name in ("max_context_tokens", "max_parked", "max_turn_tokens"):
                 continue
             least = 0 if f.name in ("max_tool_calls", "max_parked") else 1
@@ -178,6 +193,8 @@ async def arun_rollouts(
         executor=executor,
         env_format=env_format,
         max_tool_calls=limits.max_tool_calls,
+        over_budget=limits.over_budget,
+        budget_notice=limits.budget_notice,
         max_turns=limits.max_turns,
         max_obs_tokens=limits.max_obs_tokens,
         max_response_tokens=limits.max_response_tokens,

@@ -5,9 +5,10 @@ A segment ends when the stop scan (`stops.scan_chunk`) finds a tool stop string,
 or a final stop string. `Resolver.end_segment` decides:
 
 - tool stop string (the parser's `stop_strings`): parse, then execute the calls (at most C in
-  the whole trajectory; later calls get BUDGET_NOTICE as their observation); a parse error is
-  an error observation. The observation is the parser's inline format (ToRL, ReTool,
-  Search-R1) or, for chat protocols, tool turns of the tokenizer's chat template.
+  the whole trajectory; a later call gets a notice as its observation, or ends the trajectory:
+  `rollout.over_budget`); a parse error is an error observation. The observation is the
+  parser's inline format (ToRL, ReTool, Search-R1) or, for chat protocols, tool turns of the
+  tokenizer's chat template.
 - EOS / final stop string: with a parser, a segment that parses into calls without error (Qwen
   multi-call turns ending in <|im_end|>) is a tool turn. Otherwise, with an environment (RAGEN
   style), the turn's text (without its end token) steps the environment and its observation
@@ -35,6 +36,7 @@ from jaxrl_tools.tools import Observation
 from jaxrl_tools.types import Span, ToolCallRecord, Trajectory
 
 BUDGET_NOTICE = "tool budget exhausted, answer directly"
+OVER_BUDGET = ("notice", "end")  # what a call past the tool budget gets (rollout.over_budget)
 
 
 class Append(NamedTuple):
@@ -150,10 +152,13 @@ class Resolver:
         max_obs_tokens: int,
         max_response_tokens: int,
         ctx_limit: int,
+        over_budget: str = "notice",
+        budget_notice: str = BUDGET_NOTICE,
     ):
         self.tokenizer, self.parser, self.executor = tokenizer, parser, executor
         self.env_format = env_format
         self.max_tool_calls, self.max_turns = max_tool_calls, max_turns
+        self.over_budget, self.budget_notice = over_budget, budget_notice
         self.max_obs_tokens, self.max_response_tokens = max_obs_tokens, max_response_tokens
         self.ctx_limit = ctx_limit
 
@@ -212,8 +217,11 @@ class Resolver:
             await self.executor.close_session(s.session_id)
 
     # ------------------------------------------------------------------ turns
-    async def _tool_turn(self, s: Sample, parsed, ended_with_eos: bool) -> Append:
-        return self._observation(s, "tool", await self._run_calls(s, parsed), None, ended_with_eos)
+    async def _tool_turn(self, s: Sample, parsed, ended_with_eos: bool) -> Outcome:
+        texts = await self._run_calls(s, parsed)
+        if self.over_budget == "end" and any(r.error == "budget" for r in s.traj.tool_calls):
+            return Finish("tool_budget")  # (calls within the budget ran, and are recorded)
+        return self._observation(s, "tool", texts, None, ended_with_eos)
 
     async def _env_turn(self, s: Sample, text: str, ended_with_eos: bool) -> Outcome:
         observation, reward, done = await step_environment(s.env, text, s.traj)
@@ -236,8 +244,9 @@ class Resolver:
                 rec = ToolCallRecord(call.name, call.arguments, False, None, 0.0, True, s.turns)
                 jobs.append((rec, self.executor.execute(call, s.session_id)))
             else:
+                notice = self.budget_notice
                 rec = ToolCallRecord(
-                    call.name, call.arguments, False, "budget", 0.0, False, s.turns, BUDGET_NOTICE
+                    call.name, call.arguments, False, "budget", 0.0, False, s.turns, notice
                 )
             s.traj.tool_calls.append(rec)
             records.append(rec)

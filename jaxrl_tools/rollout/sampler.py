@@ -102,6 +102,8 @@ class Sampler:
             max_tool_calls=settings.max_tool_calls,
             max_turns=settings.max_turns,
             max_turn_tokens=settings.max_turn_tokens,
+            over_budget=settings.over_budget,
+            budget_notice=settings.budget_notice,
             max_obs_tokens=settings.max_obs_tokens,
             chunk_size=settings.chunk_size,
             max_parked=settings.max_parked,

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
 from tokenizers import models as tk_models
 
 from jaxrl_tools import models
-from jaxrl_tools.config import RolloutSection
+from jaxrl_tools.config import ConfigError, RolloutSection
 from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.envs import Episodes, FrozenLake, RagenTurns
 from jaxrl_tools.envs.episodes import window_text
@@ -264,7 +264,51 @@ def test_a_call_past_the_budget_gets_the_recipes_notice_or_ends_the_response(tin
     ]
     assert [(c.executed, c.error) for c in t.tool_calls] == [(True, None), (False, "budget")]
     with pytest.raises(ValueError, match="over_budget must be one of"):
-        RolloutLimits(over_budget="ignore")
+        RolloutLimits(over_budget="skip")
+    with pytest.raises(ConfigError, match="'ignore' lets the model write on .* chat protocol"):
+        RolloutSection(protocol="qwen", over_budget="ignore")
+
+
+def test_a_call_past_the_budget_ignored_lets_the_model_write_on(tiny, tok):
+    """ToRL's budget: a call past it is not answered; the model's turn goes on from its call,
+    decoded from the right cache (the chunk's tokens past the stop rolled back): the free
+    tokens after it are the model's own greedy choices, with its own log-probs."""
+    config, params = tiny
+
+    @function_tool
+    def python(code: str) -> str:
+        """Runs code."""
+        return "2"
+
+    second = "<code>print(3)</code>"
+    script = _enc(tok, "<code>print(1+1)</code>") + _enc(tok, second) + [-1] * 12
+    script += _enc(tok, "<|im_end|>") * (SCRIPT_LEN - len(script))
+    added = np.zeros((config.vocab_size,), bool)
+    added[list(tok.get_added_vocab().values())] = True
+    eng = EngineCore(
+        config, params, slots=2, max_len=768, max_prefill_length=512, tokenizer=tok,
+        logits_hook=free_or_forced_hook,
+        hook_data=(jnp.asarray(script, jnp.int32), jnp.asarray(added)),
+    )  # fmt: skip
+    limits = RolloutLimits(
+        max_tool_calls=1, chunk_size=16, max_response_tokens=300, over_budget="ignore"
+    )
+    (t,) = run_rollouts(
+        eng, params, [[1, 2, 3]], tokenizer=tok, protocol=get_parser("retool"),
+        executor=ToolExecutor([python]), sampling=GREEDY, limits=limits,
+    )  # fmt: skip
+    kinds = _spans_text(tok, t)
+    assert [k for k, _ in kinds] == ["model", "observation", "model"]
+    assert kinds[2][1].startswith(second) and t.finish_reason == "eos"
+    assert [(c.executed, c.error) for c in t.tool_calls] == [(True, None), (False, "budget")]
+    logits = models.forward(config, params, jnp.asarray([t.token_ids]))[0]
+    logp = jax.nn.log_softmax(jnp.where(jnp.asarray(added), -1e9, logits), -1)
+    P, model = len(t.prompt_ids), [i for i, m in enumerate(t.loss_mask) if m]
+    free = [i for k, i in enumerate(model) if script[k] == -1]
+    assert len(free) == 12
+    for i in free:  # greedy: the argmax of the model's logits at that place, and its log-prob
+        assert t.response_ids[i] == int(jnp.argmax(logp[P - 1 + i]))
+        assert t.logprobs[i] == pytest.approx(float(logp[P - 1 + i, t.response_ids[i]]), abs=1e-4)
 
 
 def test_other_slots_decode_while_a_slow_tool_runs(tiny, tok):

@@ -12,6 +12,7 @@ from jaxrl_tools import envs, tools
 from jaxrl_tools.config.checks import ConfigError, _at_least, _check, _check_choice
 from jaxrl_tools.rollout.resolver import BUDGET_NOTICE, OVER_BUDGET
 from jaxrl_tools.rollout.sampler import ENGINES as ROLLOUT_ENGINES
+from jaxrl_tools.rollout.sampler import declares_tools
 
 PROTOCOLS = (*sorted(tools.PARSERS), "none")
 
@@ -29,7 +30,8 @@ class RolloutSection:
     max_response_len: int = 1024  # model + observation tokens of one response
     max_tool_calls: int = 3  # C: what a later call gets is `over_budget`'s
     # A call past the budget: "notice" (its observation is `budget_notice`; ZeroTIR words it its
-    # own way) or "end" (the response ends there, finish reason "tool_budget").
+    # own way), "ignore" (not answered: the model writes on, ToRL; inline protocols) or "end"
+    # (the response ends there, finish reason "tool_budget").
     over_budget: str = "notice"
     budget_notice: str = BUDGET_NOTICE
     max_turns: int = 4  # model turns per response (with an env section, env.max_turns rules)
@@ -65,6 +67,12 @@ class RolloutSection:
         _check_choice(self.protocol, "rollout.protocol", PROTOCOLS)
         _check_choice(self.engine, "rollout.engine", tuple(ROLLOUT_ENGINES))
         _check_choice(self.over_budget, "rollout.over_budget", OVER_BUDGET)
+        _check(
+            self.over_budget != "ignore" or not declares_tools(self.protocol),
+            "rollout.over_budget",
+            f"'ignore' lets the model write on after its call, which a chat protocol "
+            f"({self.protocol}) ends with its turn: use notice or end",
+        )
         _check(self.group_size >= 1, "rollout.group_size", f"must be >= 1, got {self.group_size}")
         _check(self.temperature >= 0, "rollout.temperature", "must be >= 0")
         _check(self.eval_temperature >= 0, "rollout.eval_temperature", "must be >= 0")

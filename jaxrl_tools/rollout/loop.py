@@ -328,12 +328,18 @@ class Driver:
             appends.append(i)
         if appends:
             samples = [self.samples[i] for i in appends]
+            # Nothing to insert (a call ignored): the last kept token is written again, which
+            # rolls back what the chunk sampled past the stop and gives the row its logits.
+            empty = [not self.arrived[i].tokens for i in appends]
             self.state = self.engine.write_slots(
                 self.params,
                 self.state,
                 [self.sched.slot(i) for i in appends],
-                [self.arrived[i].tokens for i in appends],
-                starts=[s.length for s in samples],
+                [
+                    s.traj.token_ids[-1:] if e else self.arrived[i].tokens
+                    for i, s, e in zip(appends, samples, empty)
+                ],
+                starts=[s.length - e for s, e in zip(samples, empty)],
                 sampled=[s.sampled for s in samples],
             )
             for i, s in zip(appends, samples):

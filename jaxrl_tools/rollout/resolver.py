@@ -5,8 +5,9 @@ A segment ends when the stop scan (`stops.scan_chunk`) finds a tool stop string,
 or a final stop string. `Resolver.end_segment` decides:
 
 - tool stop string (the parser's `stop_strings`): parse, then execute the calls (at most C in
-  the whole trajectory; a later call gets a notice as its observation, or ends the trajectory:
-  `rollout.over_budget`); a parse error is an error observation. The observation is the
+  the whole trajectory; a later call gets a notice as its observation, is not answered at all
+  (the model writes on, ToRL), or ends the trajectory: `rollout.over_budget`); a parse error is
+  an error observation. The observation is the
   parser's inline format (ToRL, ReTool, Search-R1) or, for chat protocols, tool turns of the
   tokenizer's chat template.
 - EOS / final stop string: with a parser, a segment that parses into calls without error (Qwen
@@ -36,7 +37,7 @@ from jaxrl_tools.tools import Observation
 from jaxrl_tools.types import Span, ToolCallRecord, Trajectory
 
 BUDGET_NOTICE = "tool budget exhausted, answer directly"
-OVER_BUDGET = ("notice", "end")  # what a call past the tool budget gets (rollout.over_budget)
+OVER_BUDGET = ("notice", "ignore", "end")  # a call past the tool budget (rollout.over_budget)
 
 
 class Append(NamedTuple):
@@ -116,15 +117,17 @@ class Sample:
 
     def add_observation(self, obs: Append) -> None:
         t = self.traj
-        self.markups.append(obs.markup)
         n = len(obs.tokens)
+        self.seg_start = len(t.response_ids) + n
+        if n == 0:  # nothing inserted (a call past the budget, ignored): the model writes on
+            return
+        self.markups.append(obs.markup)
         t.spans.append(
             Span("observation", len(t.response_ids), len(t.response_ids) + n, obs.reward)
         )
         t.response_ids.extend(int(x) for x in obs.tokens)
         t.loss_mask.extend([0] * n)
         t.logprobs.extend([0.0] * n)
-        self.seg_start = len(t.response_ids)
 
 
 class Resolver:
@@ -221,6 +224,8 @@ class Resolver:
         texts = await self._run_calls(s, parsed)
         if self.over_budget == "end" and any(r.error == "budget" for r in s.traj.tool_calls):
             return Finish("tool_budget")  # (calls within the budget ran, and are recorded)
+        if not texts:  # "ignore": every call was past the budget; the model writes on
+            return Append((), None, "")
         return self._observation(s, "tool", texts, None, ended_with_eos)
 
     async def _env_turn(self, s: Sample, text: str, ended_with_eos: bool) -> Outcome:
@@ -255,7 +260,8 @@ class Resolver:
             rec.ok, rec.latency_s = bool(obs.ok), float(obs.latency_s)
             rec.error = None if obs.ok else obs.text
             rec.observation = fit_observation(obs.text, self.tokenizer, self.max_obs_tokens)
-        return [rec.observation for rec in records]
+        ignored = self.over_budget == "ignore"
+        return [r.observation for r in records if not (ignored and r.error == "budget")]
 
     def _observation(
         self, s: Sample, role: str, texts: list[str], reward: float | None, ended_with_eos: bool

@@ -146,6 +146,7 @@ def smoke_config(cfg: RunConfig, overrides: Sequence[str] = ()) -> RunConfig:
             r,
             group_size=group_size,
             max_response_len=max_response_len,
+            max_turn_tokens=None if r.max_turn_tokens is None else min(r.max_turn_tokens, 32),
             chunk_size=min(r.chunk_size, 16),
             slots=min(r.slots, 8),
             tool_concurrency=min(r.tool_concurrency, 4),

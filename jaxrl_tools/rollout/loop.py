@@ -77,9 +77,9 @@ class RolloutLimits:
 
     Attributes:
       max_response_tokens: response tokens (model + observation) before finishing with "length".
-      max_tool_calls: C, tool calls executed per trajectory; later calls get `budget_notice`
-        as their observation (`over_budget` "notice"), or end the trajectory ("end": finish
-        reason "tool_budget").
+      max_tool_calls: C, tool calls executed per trajectory; a later call gets `budget_notice`
+        as its observation (`over_budget` "notice"), no answer ("ignore": the model writes
+        on), or ends the trajectory ("end": finish reason "tool_budget").
       max_turns: model segments per trajectory.
       max_turn_tokens: tokens one model segment may generate (None: no cap); a segment cut
         there ends with "turn_length" (`Resolver.end_segment`).

@@ -7,9 +7,8 @@ or a final stop string. `Resolver.end_segment` decides:
 - tool stop string (the parser's `stop_strings`): parse, then execute the calls (at most C in
   the whole trajectory; a later call gets a notice as its observation, is not answered at all
   (the model writes on, ToRL), or ends the trajectory: `rollout.over_budget`); a parse error is
-  an error observation. The observation is the
-  parser's inline format (ToRL, ReTool, Search-R1) or, for chat protocols, tool turns of the
-  tokenizer's chat template.
+  an error observation. The observation is the parser's inline format (ToRL, ReTool,
+  Search-R1) or, for chat protocols, tool turns of the tokenizer's chat template.
 - EOS / final stop string: with a parser, a segment that parses into calls without error (Qwen
   multi-call turns ending in <|im_end|>) is a tool turn. Otherwise, with an environment (RAGEN
   style), the turn's text (without its end token) steps the environment and its observation

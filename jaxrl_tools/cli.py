@@ -22,7 +22,7 @@ from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import load_config
 from jaxrl_tools.data import DataError
 from jaxrl_tools.datasets import prepare
-from jaxrl_tools.demo import runner, seeds
+from jaxrl_tools.demo import seeds
 from jaxrl_tools.interop.repro import repro
 from jaxrl_tools.tools import SandboxUnavailableError
 from jaxrl_tools.train.signals import RunInterrupted
@@ -111,15 +111,13 @@ def _dispatch(args, cfg) -> int | None:
         print(f"jaxrl-tools check: {what} is ready to run (nothing was trained)")
         print(check.format_summary(summary))
     elif args.command == "demo":
-        baseline = dict(
+        seeds.demo_seeds(
+            cfg,
+            args.seeds,
             baseline_reward=args.baseline_reward,
             baseline_estimator=args.baseline_estimator,
             baseline_agent=args.baseline_agent,
         )
-        if args.seeds is None:
-            runner.demo(cfg, **baseline)
-        else:
-            seeds.demo_seeds(cfg, args.seeds, **baseline)
     elif args.command == "train":
         summary = run.train(cfg)
         print({k: v for k, v in summary["final_metrics"].items() if not k.startswith("time")})
@@ -204,16 +202,6 @@ def _plan(cfg, args) -> "plan.RunPlan":
     )
 
 
-def _seed_list(text: str) -> list[int]:
-    try:
-        out = [int(s) for s in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give seeds as 0,1,2") from None
-    if len(set(out)) != len(out):
-        raise argparse.ArgumentTypeError(f"{text!r}: a seed is repeated")
-    return out
-
-
 def _mesh_shape(text: str) -> tuple[int, int, int]:
     try:
         d, f, t = (int(x) for x in text.lower().replace(" ", "").split("x"))
@@ -281,7 +269,7 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--seeds",
-        type=_seed_list,
+        type=seeds.parse_seeds,
         help="run the demo once per seed (e.g. 0,1,2: trainer.seed, model.tiny.seed and "
         "data.shuffle_seed) and print its figure as a spread over them (seeds.md in log_dir)",
     )

@@ -11,6 +11,7 @@ the mean and standard deviation over the seeds.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -45,9 +46,23 @@ def seed_config(cfg: RunConfig, seed: int) -> RunConfig:
     )
 
 
-def demo_seeds(cfg: RunConfig, seeds: Sequence[int], **baseline) -> dict:
+def parse_seeds(text: str) -> list[int]:
+    """`--seeds 0,1,2` (argparse's type: a bad list is its usage error)."""
+    try:
+        out = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give seeds as 0,1,2") from None
+    if len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"{text!r}: a seed is repeated")
+    return out
+
+
+def demo_seeds(cfg: RunConfig, seeds: Sequence[int] | None, **baseline) -> dict:
     """Runs `runner.demo` for every seed (configs built, and so checked, before any runs) and
-    writes the spread; `baseline` is `runner.demo`'s baseline_* arguments."""
+    writes the spread; no seeds: the demo once, as configured. `baseline` is `runner.demo`'s
+    baseline_* arguments."""
+    if seeds is None:
+        return runner.demo(cfg, **baseline)
     configs = [seed_config(cfg, s) for s in seeds]
     runs = [runner.demo(c, **baseline) for c in configs]
     table = spread(list(seeds), runs, cfg)

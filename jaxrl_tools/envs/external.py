@@ -16,12 +16,12 @@ observation metadata), and the observation a turn was taken in is its GiGPO anch
 
 from __future__ import annotations
 
-import importlib
 import json
 import typing
 from collections.abc import Hashable
 from typing import Any
 
+from jaxrl_tools.config.checks import import_object
 from jaxrl_tools.envs.base import Env, StepResult, register_env
 
 
@@ -113,8 +113,10 @@ class OpenEnv(_TextTurns):
         max_turns: int = 5,
     ):
         super().__init__(instructions, max_turns)
-        cls = _load(environment, "env.kwargs.environment")
-        self.action_type = _load(action, "env.kwargs.action") if action else _action_type(cls)
+        cls = import_object(environment, "env.kwargs.environment", "Class")
+        self.action_type = (
+            import_object(action, "env.kwargs.action", "Class") if action else _action_type(cls)
+        )
         self.action_field = action_field or _text_field(self.action_type, "env.kwargs.action_field")
         if self.action_field not in self.action_type.model_fields:
             raise ValueError(
@@ -144,16 +146,6 @@ class OpenEnv(_TextTurns):
         if field is not None:
             return str(getattr(obs, field))
         return json.dumps(obs.model_dump(exclude={"done", "reward", "metadata"}), default=str)
-
-
-def _load(spec: str, field: str) -> Any:
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise ValueError(f"{field}={spec!r}: give 'package.module:Class'")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{field}={spec!r} cannot be loaded: {e}") from None
 
 
 def _action_type(cls: type) -> type:

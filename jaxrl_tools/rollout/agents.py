@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import importlib
 import inspect
 import logging
 import numbers
@@ -39,6 +38,7 @@ from typing import Any
 import jax
 
 from jaxrl_tools.config import ConfigError
+from jaxrl_tools.config.checks import import_object
 from jaxrl_tools.gateway.backend import BadRequest, Completion, Generation, OnTokens
 from jaxrl_tools.gateway.chat import TemplateChat
 from jaxrl_tools.gateway.engine_backend import EngineBackend, RequestResolver, completion_of
@@ -56,13 +56,7 @@ class AgentError(RuntimeError):
 
 def load_agent(spec: str) -> Agent:
     """The async function `spec` names ("package.module:function")."""
-    module_name, _, name = spec.partition(":")
-    if not module_name or not name:
-        raise ConfigError(f"rollout.agent={spec!r}: give 'package.module:function'")
-    try:
-        fn = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"rollout.agent={spec!r} cannot be loaded: {e}") from None
+    fn = import_object(spec, "rollout.agent", "function")
     if not inspect.iscoroutinefunction(fn):
         raise ConfigError(f"rollout.agent={spec!r} must be an async function(client, record)")
     return fn

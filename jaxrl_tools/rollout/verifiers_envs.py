@@ -50,7 +50,6 @@ def _harness():
     import types  # noqa: PLC0415
 
     import verifiers.v1 as vf  # noqa: PLC0415
-    from verifiers.v1.dialects.chat import message_to_wire  # noqa: PLC0415
     from verifiers.v1.harnesses.utils.mcp import call_mcp, connect_mcp  # noqa: PLC0415
 
     class GatewayHarness(vf.Harness[vf.HarnessConfig]):
@@ -65,12 +64,7 @@ def _harness():
         async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, **_):
             import openai  # noqa: PLC0415
 
-            system, prompt = self.resolve_prompt(data)
-            messages = [{"role": "system", "content": system}] if system else []
-            if isinstance(prompt, str):
-                messages.append({"role": "user", "content": prompt})
-            elif prompt:
-                messages += [message_to_wire(m) for m in prompt]
+            messages = _chat_messages(*self.resolve_prompt(data))
             client = openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
             servers = {"mcpServers": {n: {"url": u} for n, u in mcp_urls.items()}}
             async with AsyncExitStack() as stack:
@@ -112,6 +106,18 @@ def _harness():
     return module
 
 
+def _chat_messages(system: str | None, prompt) -> list[dict]:
+    """A task's system prompt and prompt (a string, or verifiers' messages) as chat messages."""
+    from verifiers.v1.dialects.chat import message_to_wire  # noqa: PLC0415
+
+    messages = [{"role": "system", "content": system}] if system else []
+    if isinstance(prompt, str):
+        messages.append({"role": "user", "content": prompt})
+    elif prompt:
+        messages += [message_to_wire(m) for m in prompt]
+    return messages
+
+
 @functools.cache
 def _environment(spec_json: str):
     """The verifiers environment of a record's spec ({"taskset", "config"}), loaded once."""
@@ -144,13 +150,7 @@ def records(section: dict, split: str) -> list[dict]:
     out = []
     for i, task in enumerate(tasks):
         data = task.data
-        messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
-        if isinstance(data.prompt, str):
-            messages.append({"role": "user", "content": data.prompt})
-        elif data.prompt:
-            from verifiers.v1.dialects.chat import message_to_wire  # noqa: PLC0415
-
-            messages += [message_to_wire(m) for m in data.prompt]
+        messages = _chat_messages(data.system_prompt, data.prompt)
         rid = data.id or data.name or f"{section['taskset']}-{split}-{i}"
         out.append({"id": rid, "prompt": messages, "verifiers": {"spec": spec, "index": i}})
     return out

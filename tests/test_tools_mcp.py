@@ -69,6 +69,13 @@ def exit_soon() -> str:
 
 
 @server.tool()
+def close_stderr() -> str:
+    """Closes the server's stderr; the server lives on."""
+    os.close(2)
+    return "closed"
+
+
+@server.tool()
 def pid() -> int:
     """The server's process id."""
     return os.getpid()
@@ -89,7 +96,18 @@ def picture() -> list:
 if __name__ == "__main__":
     server.run()
 '''
-NAMES = ["add", "echo", "fail", "sleep", "crash", "exit_soon", "pid", "getenv", "picture"]
+NAMES = [
+    "add",
+    "echo",
+    "fail",
+    "sleep",
+    "crash",
+    "exit_soon",
+    "close_stderr",
+    "pid",
+    "getenv",
+    "picture",
+]
 
 
 @pytest.fixture(scope="module")
@@ -245,6 +263,21 @@ def test_crash_and_exit_restart_the_server_until_max_restarts(server_path):
         assert not obs.ok and obs.metrics == {"server_down": 1.0}
         assert "failed 2 times in a row" in obs.text and "max_restarts=1" in obs.text
         assert run(executor, "echo", text="x").text == obs.text.replace("'add'", "'echo'")
+    finally:
+        server.stop()
+
+
+def test_a_server_that_closes_its_stderr_is_not_taken_for_dead(server_path):
+    # A closed stderr is how an exit is seen before the transport's stdout ends (under load the
+    # call could reach the dead session first); a live server without stderr keeps serving.
+    server = McpServer([sys.executable, server_path], max_restarts=0)
+    executor = ToolExecutor(server.tools())
+    try:
+        first = server_pid(executor)
+        assert run(executor, "close_stderr").text == "closed"
+        for a in range(3):
+            assert run(executor, "add", a=a, b=1).text == str(a + 1)
+        assert server_pid(executor) == first
     finally:
         server.stop()
 

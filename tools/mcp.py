@@ -42,8 +42,10 @@ import importlib.util
 import json
 import logging
 import os
+import select
 import shlex
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +131,9 @@ class _StderrTail:
     def __init__(self, label: str, max_lines: int = 40):
         read_fd, write_fd = os.pipe()
         self.writer = os.fdopen(write_fd, "w")
+        self._probe = select.poll()  # on a read end of our own, which the reader cannot close
+        self._probe_fd = os.dup(read_fd)
+        self._probe.register(self._probe_fd, select.POLLIN)
         self.lines: collections.deque[str] = collections.deque(maxlen=max_lines)
         self._thread = threading.Thread(
             target=self._read, args=(read_fd, label), daemon=True, name="mcp-stderr"
@@ -145,6 +150,19 @@ class _StderrTail:
         # Once spawned, the server holds its own copy: the reader sees EOF when it exits.
         if not self.writer.closed:
             self.writer.close()
+
+    def hung_up(self) -> bool:
+        """Every writer closed: the server exited (or closed its own stderr). Unlike the
+        transport's streams, this needs no turn of the event loop to be seen."""
+        if self._probe_fd < 0:
+            return True
+        return any(ev & select.POLLHUP for _, ev in self._probe.poll(0))
+
+    def close(self) -> None:
+        self.close_writer()
+        if self._probe_fd >= 0:
+            os.close(self._probe_fd)
+            self._probe_fd = -1
 
     def last_line(self, wait_s: float = 0.0) -> str:
         self._thread.join(wait_s)  # an exited server: let the reader take its last words
@@ -165,6 +183,17 @@ class _Connection:
     listing: list = dataclasses.field(default_factory=list)
     inflight: int = 0
     retired: bool = False
+    stderr_closed: bool = False  # the server closed its stderr and lives on
+
+    async def settle(self, wait_s: float = 0.5) -> None:
+        """A server whose stderr hung up has (nearly always) exited, but the transport sees its
+        stdout end only on a later turn of the loop: give it that turn before trusting `alive`."""
+        if self.stderr_closed or not self.stderr.hung_up():
+            return
+        deadline = time.monotonic() + wait_s
+        while self.alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self.stderr_closed = self.alive()
 
     def alive(self) -> bool:
         if self.retired or self.session is None or self.task is None or self.task.done():
@@ -196,6 +225,8 @@ class _Supervisor:
         """The current connection, (re)started if there is none or it died."""
         async with self.lock:
             conn = self.conn
+            if conn is not None:
+                await conn.settle()
             if conn is not None and conn.alive():
                 return conn
             if conn is not None:
@@ -285,7 +316,7 @@ class _Supervisor:
             else:
                 log.debug("MCP server %s: connection ended: %s", self.server.label, e)
         finally:
-            conn.stderr.close_writer()
+            conn.stderr.close()
             self.conns.discard(conn)
             if not conn.ready.done():
                 conn.ready.cancel()

@@ -115,3 +115,36 @@ def test_sql_reward_refuses_writes_and_stops_runaway_queries(db):
     t0 = time.monotonic()
     assert reward(sql(forever), gt, timeout_s=0.5) == 0.0
     assert time.monotonic() - t0 < 3.0
+
+
+def formatted(answer: str, think: str = "<think>look it up</think>") -> str:
+    return f"{think}\n<answer>{answer}</answer>"
+
+
+def test_deepretrieval_format_reward_gates_both_rewards(corpus, db):
+    # The paper's scripts: out of format -2; in format 0.1 + the score when it is above 0, else 0.
+    path, cache = corpus
+    retrieval = get_reward("retrieval")
+    kw = {"corpus": path, "cache_dir": cache, "k": 1, "format_bonus": 0.1}
+    assert retrieval(formatted('{"query": "comet observatory"}'), ["p3"], **kw) == 1.1
+    assert retrieval(formatted('{"query": "saffron hills"}'), ["p3"], **kw) == 0.0
+    out_of_format = [
+        formatted("comet observatory"),  # not JSON
+        formatted('{"q": "comet observatory"}'),  # no "query"
+        formatted('{"query": 3}'),
+        formatted('{"query": "comet"}', think=""),  # no <think>
+        formatted('{"query": "comet"}', think="<think>a</think><think>b</think>"),
+        '<answer>{"query": "comet"}</answer><think>late</think>',  # out of order
+    ]
+    for response in out_of_format:
+        assert retrieval(response, ["p3"], **kw) == -2.0, response
+    assert retrieval(out_of_format[0], ["p3"], **kw, format_penalty=-4.0) == -4.0
+    # Without format_bonus the same responses are read as before.
+    assert retrieval(out_of_format[0], ["p3"], corpus=path, cache_dir=cache, k=1) == 1.0
+    sql_exec = get_reward("sql_exec")
+    gt = {"db": db, "sql": "SELECT name FROM employees WHERE salary > 50000"}
+    right = json.dumps({"sql": "SELECT name FROM employees WHERE salary > 50000"})
+    wrong = json.dumps({"sql": "SELECT name FROM employees"})
+    assert sql_exec(formatted(right), gt, format_bonus=0.1) == 1.1
+    assert sql_exec(formatted(wrong), gt, format_bonus=0.1) == 0.0
+    assert sql_exec(sql(gt["sql"]), gt, format_bonus=0.1) == -2.0  # a ```sql block is not it

@@ -8,6 +8,12 @@ rewarded by what the query retrieves, not by matching a reference text.
   database, opened read-only with an authorizer that allows reading only and a time limit; the
   reward is 1 when its rows equal the gold query's (as a multiset, or in order when the gold
   query has ORDER BY), so an equivalent but different query scores 1.
+
+Both take DeepRetrieval's format reward (`format_bonus`, as its scripts do: 0.1, penalty -2):
+the response must hold `<think>`, `</think>`, `<answer>`, `</answer>` once each, in that order,
+with a JSON object in the answer ({"query": ...} or {"sql": ...}); a response out of format
+scores `format_penalty`, one in format scores `format_bonus` + its score when that is above 0,
+and 0 otherwise.
 """
 
 from __future__ import annotations
@@ -43,6 +49,30 @@ def ndcg_at_k(retrieved: Sequence, relevance: Mapping[Any, float] | Collection, 
     ideal = sorted((g for g in gains.values() if g > 0), reverse=True)[:k]
     idcg = sum(g / math.log2(i + 2) for i, g in enumerate(ideal))
     return dcg / idcg if idcg > 0 else 0.0
+
+
+_FORMAT_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+
+
+def formatted_answer(response: str, key: str) -> str | None:
+    """The string `key` of the answer's JSON object when the response is in DeepRetrieval's
+    format (each tag of `_FORMAT_TAGS` once, in that order), else None."""
+    if any(response.count(tag) != 1 for tag in _FORMAT_TAGS):
+        return None
+    where = [response.find(tag) for tag in _FORMAT_TAGS]
+    if where != sorted(where):
+        return None
+    try:
+        obj = json.loads(response[where[2] + len("<answer>") : where[3]])
+    except ValueError:
+        return None
+    value = obj.get(key) if isinstance(obj, dict) else None
+    return (value.strip() or None) if isinstance(value, str) else None
+
+
+def _format_gated(score: float, bonus: float) -> float:
+    """DeepRetrieval's total for a response in format: the bonus only with a positive score."""
+    return bonus + score if score > 0 else 0.0
 
 
 def extract_query(response: str) -> str | None:
@@ -85,17 +115,30 @@ def retrieval_reward(
     k: int = 10,
     metric: str = "recall",
     cache_dir: str | None = None,
+    format_bonus: float | None = None,
+    format_penalty: float = -2.0,
 ) -> float:
     """Recall@k or NDCG@k of the BM25 results of the response's query.
 
     ground_truth: the relevant passage ids (a list, or {id: gain} for graded NDCG); a passage's
-    id is its "id" field in the corpus, else its 0-based position.
+    id is its "id" field in the corpus, else its 0-based position. format_bonus: DeepRetrieval's
+    format reward (module docstring); None checks no format.
     """
     if metric not in ("recall", "ndcg"):
         raise ValueError(f"retrieval reward: metric must be 'recall' or 'ndcg', got {metric!r}")
-    query = extract_query(response)
+    if format_bonus is None:
+        query = extract_query(response)
+        if query is None:
+            return 0.0
+        return _query_score(query, ground_truth, corpus, k, metric, cache_dir)
+    query = formatted_answer(response, "query")
     if query is None:
-        return 0.0
+        return float(format_penalty)
+    score = _query_score(query, ground_truth, corpus, k, metric, cache_dir)
+    return _format_gated(score, float(format_bonus))
+
+
+def _query_score(query: str, ground_truth: Any, corpus, k: int, metric: str, cache_dir) -> float:
     index = _index(str(corpus), cache_dir)
     retrieved = [index.passages[i].id for i, _ in index.search(query, k)]
     relevant = ground_truth if isinstance(ground_truth, Mapping) else list(ground_truth or [])
@@ -171,11 +214,22 @@ def sql_exec_reward(
     *,
     timeout_s: float = 5.0,
     max_rows: int = 10_000,
+    format_bonus: float | None = None,
+    format_penalty: float = -2.0,
 ) -> float:
-    """Execution accuracy. ground_truth: {"db": sqlite path, "sql": the gold query}."""
-    sql = extract_sql(response)
+    """Execution accuracy. ground_truth: {"db": sqlite path, "sql": the gold query}.
+    format_bonus: DeepRetrieval's format reward, the query then read from `{"sql": ...}` in the
+    answer (module docstring); None checks no format."""
+    if format_bonus is None:
+        sql = extract_sql(response)
+        return 0.0 if sql is None else _sql_score(sql, ground_truth, timeout_s, max_rows)
+    sql = formatted_answer(response, "sql")
     if sql is None:
-        return 0.0
+        return float(format_penalty)
+    return _format_gated(_sql_score(sql, ground_truth, timeout_s, max_rows), float(format_bonus))
+
+
+def _sql_score(sql: str, ground_truth: Any, timeout_s: float, max_rows: int) -> float:
     db, gold = str(ground_truth["db"]), str(ground_truth["sql"])
     want = _gold_rows(db, gold, timeout_s, max_rows)
     try:

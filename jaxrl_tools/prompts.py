@@ -8,7 +8,9 @@ tool declarations, the template's own markup for tool and environment turns, and
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,48 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from jaxrl_tools.data import DataError
+
+# `rollout.template: plain`, for base models: the prompt in `rollout.plain_format`'s words, where
+# {system} is the system prompt and a newline (nothing without one) and {prompt} the user's text;
+# the default is R1-Zero's form. Tool declarations are not rendered (an inline protocol's tools
+# are described in the system prompt); a trace's response follows, then the end-of-text token.
+PLAIN_FORMAT = "{system}User: {prompt}\nAssistant:"
+_PLAIN_SLOTS = {"{system}": "{{ ns.system }}", "{prompt}": "{{ ns.prompt }}"}
+
+
+def plain_template(fmt: str = PLAIN_FORMAT) -> str:
+    """A chat template (Jinja) that renders `fmt` (above), so that every renderer of the run
+    (prompts, SFT traces, the server) writes the same plain text."""
+    head = (
+        "{%- set ns = namespace(system='', prompt='') -%}"
+        "{%- for m in messages -%}"
+        "{%- if m['role'] == 'system' -%}{%- set ns.system = ns.system + m['content'] + '\\n' -%}"
+        "{%- elif m['role'] == 'user' and not ns.prompt -%}{%- set ns.prompt = m['content'] -%}"
+        "{%- elif m['role'] != 'assistant' or not loop.last -%}"
+        "{{ raise_exception('the plain template renders a system prompt, one user turn and the "
+        "response; it has no ' + m['role'] + ' turn here') }}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+    )
+    body = [
+        _PLAIN_SLOTS.get(part) or "{{ " + json.dumps(part, ensure_ascii=False) + " }}"
+        for part in re.split(r"(\{system\}|\{prompt\})", fmt)
+        if part
+    ]
+    tail = (
+        "{%- if messages[-1]['role'] == 'assistant' -%}"
+        "{{ messages[-1]['content'] + eos_token }}"
+        "{%- endif -%}"
+    )
+    return head + "".join(body) + tail
+
+
+def use_template(tokenizer, template: str, plain_format: str = PLAIN_FORMAT):
+    """The tokenizer, rendering with `rollout.template`: its own chat template ("chat"), or
+    `plain_template(plain_format)` ("plain")."""
+    if template == "plain":
+        tokenizer.chat_template = plain_template(plain_format)
+    return tokenizer
 
 
 def _schema_name(schema: Mapping) -> str | None:

@@ -124,10 +124,12 @@ def setup_tokenizer(cfg: RunConfig):
     or seed is an error). In a multi-process job process 0 builds it and the others wait for it
     (one folder on shared storage: processes building it at once would race)."""
     if not sharding.is_multiprocess():
-        return _open_tokenizer(cfg)
-    tokenizer = _open_tokenizer(cfg) if sharding.is_main_process() else None
-    sharding.agree(None)  # a barrier: process 0's tokenizer is on disk
-    return tokenizer if tokenizer is not None else _open_tokenizer(cfg)
+        tokenizer = _open_tokenizer(cfg)
+    else:
+        tokenizer = _open_tokenizer(cfg) if sharding.is_main_process() else None
+        sharding.agree(None)  # a barrier: process 0's tokenizer is on disk
+        tokenizer = tokenizer if tokenizer is not None else _open_tokenizer(cfg)
+    return prompts.use_template(tokenizer, cfg.rollout.template, cfg.rollout.plain_format)
 
 
 def _open_tokenizer(cfg: RunConfig):

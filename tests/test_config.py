@@ -153,6 +153,28 @@ def test_validation_errors_name_field(override, needle):
     assert needle in str(e.value)
 
 
+def test_the_plain_template_is_refused_where_it_cannot_render_the_turns():
+    def error(config, *overrides):
+        with pytest.raises(ConfigError) as e:
+            load_config(
+                os.path.join(ROOT, "configs", config), ["rollout.template=plain", *overrides]
+            )
+        return str(e.value).split(": ", 1)[1]  # after the config's path
+
+    assert error("grpo_tool_math.yaml", "rollout.protocol=qwen").startswith(
+        "rollout.template 'plain' has no tool turns, which protocol 'qwen' answers in"
+    )
+    assert error("frozenlake_demo.yaml").startswith(
+        "rollout.template 'plain' renders a prompt and one response; environments and agents"
+    )
+    assert error("grpo_tool_math.yaml", "rollout.plain_format=Question").startswith(
+        "rollout.plain_format must hold {prompt} (where the question goes) once, got 'Question'"
+    )
+    with pytest.raises(ConfigError, match=r"rollout\.template='base' is not one of"):
+        load_config(DEMO, ["rollout.template=base"])
+    assert load_config(DEMO, ["rollout.template=plain"]).rollout.template == "plain"
+
+
 def test_tool_class_alias_and_derived(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(

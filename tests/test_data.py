@@ -1,5 +1,6 @@
 """Tests for jaxrl_tools.data: sources, grain pipeline, resumable state, chat rendering."""
 
+import copy
 import json
 import logging
 
@@ -7,6 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from jaxrl_tools import prompts
 from jaxrl_tools.config import DataSection
 from jaxrl_tools.data import (
     DataError,
@@ -210,6 +212,37 @@ def test_render_prompt_with_tools(tok):
     assert render_prompt(tok, chat, None, "ignored").startswith("<|im_start|>system\nS<|im_end|>")
     # a record carrying full schemas
     assert "<tools>" in render_prompt(tok, {"prompt": "q", "tools": [schema]})
+
+
+def test_plain_template_renders_base_model_prompts(tok):
+    plain = prompts.use_template(copy.deepcopy(tok), "plain")
+    rec = {"prompt": "What is 2 * 3?", "tools": ["python"]}
+    schema = PythonTool.default_schema()
+    assert render_prompt(plain, rec, [schema], "Solve it.") == (
+        "Solve it.\nUser: What is 2 * 3?\nAssistant:"  # no tool declarations
+    )
+    assert render_prompt(plain, {"prompt": "q"}) == "User: q\nAssistant:"
+    # ToRL's words (its tir_base_0309), a backslash and braces included
+    torl_format = (
+        "{system}User: Please integrate natural language reasoning with programs to solve the "
+        "problem above, and put your final answer within \\boxed{}.\n{prompt}\nAssistant:\n"
+    )
+    torl = prompts.use_template(copy.deepcopy(tok), "plain", torl_format)
+    system = "A conversation between User and Assistant. The user asks a question, and the "
+    system += "Assistant solves it."
+    assert render_prompt(torl, {"prompt": "1+1?"}, None, system) == (
+        f"{system}\nUser: Please integrate natural language reasoning with programs to solve "
+        "the problem above, and put your final answer within \\boxed{}.\n1+1?\nAssistant:\n"
+    )
+    # A trace: the prompt as rendered for the rollout, then the response and the end of text.
+    trace = [{"role": "user", "content": "q"}, {"role": "assistant", "content": " 6"}]
+    assert plain.apply_chat_template(trace, tokenize=False) == (
+        "User: q\nAssistant: 6" + plain.eos_token
+    )
+    for turns in ([*trace, {"role": "user", "content": "again"}], [trace[0], trace[0]]):
+        with pytest.raises(Exception, match="the plain template renders a system prompt, one"):
+            render_prompt(plain, {"prompt": turns})
+    assert render_prompt(tok, {"prompt": "q"}).startswith("<|im_start|>")  # the chat one intact
 
 
 def test_select_tools():

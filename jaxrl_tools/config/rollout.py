@@ -10,11 +10,13 @@ from typing import Any
 
 from jaxrl_tools import envs, tools
 from jaxrl_tools.config.checks import ConfigError, _at_least, _check, _check_choice
+from jaxrl_tools.prompts import PLAIN_FORMAT
 from jaxrl_tools.rollout.resolver import BUDGET_NOTICE, OVER_BUDGET
 from jaxrl_tools.rollout.sampler import ENGINES as ROLLOUT_ENGINES
 from jaxrl_tools.rollout.sampler import declares_tools
 
 PROTOCOLS = (*sorted(tools.PARSERS), "none")
+TEMPLATES = ("chat", "plain")
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,11 @@ class RolloutSection:
     """Sampling and the agent loop."""
 
     protocol: str = "qwen"  # tool-call format: a jaxrl_tools.tools parser name
+    # How prompts are rendered: "chat" (the tokenizer's chat template) or "plain" (text for a
+    # base model, in `plain_format`'s words: {system} the system prompt and a newline, {prompt}
+    # the question; prompts.plain_template).
+    template: str = "chat"
+    plain_format: str = PLAIN_FORMAT
     group_size: int = 8  # G responses per prompt
     temperature: float = 1.0
     top_p: float = 1.0
@@ -66,6 +73,18 @@ class RolloutSection:
     def __post_init__(self):
         _check_choice(self.protocol, "rollout.protocol", PROTOCOLS)
         _check_choice(self.engine, "rollout.engine", tuple(ROLLOUT_ENGINES))
+        _check_choice(self.template, "rollout.template", TEMPLATES)
+        _check(
+            self.template == "chat" or not declares_tools(self.protocol),
+            "rollout.template",
+            f"'plain' has no tool turns, which protocol {self.protocol!r} answers in: use an "
+            "inline protocol (torl, retool, search_r1, artist) or none",
+        )
+        _check(
+            isinstance(self.plain_format, str) and self.plain_format.count("{prompt}") == 1,
+            "rollout.plain_format",
+            f"must hold {{prompt}} (where the question goes) once, got {self.plain_format!r}",
+        )
         _check_choice(self.over_budget, "rollout.over_budget", OVER_BUDGET)
         _check(
             self.over_budget != "ignore" or not declares_tools(self.protocol),

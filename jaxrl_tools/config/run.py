@@ -125,6 +125,13 @@ class RunConfig:
                 f"got rollout.protocol={self.rollout.protocol!r}"
                 + (f", env.name={self.env.name!r}" if self.env.name is not None else ""),
             )
+        if self.rollout.template == "plain":
+            _check(
+                self.env.name is None and self.rollout.agent is None,
+                "rollout.template",
+                "'plain' renders a prompt and one response; environments and agents take chat "
+                "turns: use template: chat",
+            )
         if self.env.windowed:
             _check(
                 not self.tools,

@@ -74,6 +74,8 @@ class Trajectory:
       env_states: per env step, the state its action was taken in (`info["anchor_state"]`,
         GiGPO's anchor; None when the environment gives none).
       env_success: whether the environment's last step reached the goal (`info["success"]`).
+      env_metrics: per env step, the step's other numeric `info` entries (e.g. refine's
+        "hacking"); their means over a batch's steps are logged as `env/<name>`.
       response_text: decoded response, observations included (when a tokenizer was given).
       model_text: what the model wrote: the response with each observation's text left out
         (its markup kept, e.g. "<interpreter>\n\n</interpreter>" or the chat template's tool
@@ -104,6 +106,7 @@ class Trajectory:
     env_rewards: list[float] = dataclasses.field(default_factory=list)
     env_states: list = dataclasses.field(default_factory=list)
     env_success: bool = False
+    env_metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
     response_text: str = ""
     model_text: str = ""
     env_seed: int | None = None

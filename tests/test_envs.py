@@ -233,9 +233,76 @@ def test_refine_never_sends_expected_values_to_the_sandbox():
     env = Refine(pool=None, num_tests=8)
     for seed in range(12):
         env.reset(seed)
-        harness = env._harness("pass")
+        harness = env._harness("pass", "mark")
         env.task = dataclasses.replace(env.task, reference=lambda *a: "other")
-        assert env._harness("pass") == harness
+        assert env._harness("pass", "mark") == harness
+
+
+HACKS = {
+    "import os\ndef f(n):\n    os._exit(0)": "it imports os",
+    "from sys import exit\ndef f(n):\n    exit()": "it imports sys",
+    "def f(n):\n    quit()": "it uses quit",
+    "def f(n):\n    return open(__file__).read()": "it uses open",
+    "def f(n):\n    return ().__class__": "it reaches the attribute __class__",
+    "def f(n):\n    return globals()['_outs']": "it uses globals",
+    "def f(n):\n    return __import__('subprocess')": "it uses __import__",
+    "from . import x": "it imports from a relative module",
+}
+
+
+@pytest.mark.parametrize("code", sorted(HACKS))
+def test_hacking_checks_name_what_they_refuse(code):
+    assert refine.hacking(code) == HACKS[code]
+
+
+def test_hacking_checks_pass_plain_solutions():
+    plain = (
+        "import math\nfrom collections import Counter\nimport itertools as it\n"
+        "def f(xs):\n    c = Counter(xs)\n    return math.prod(c.values()) + len(list(it.chain(xs)))"
+    )
+    assert refine.hacking(plain) is None
+    assert refine.hacking("def broken(:") is None  # the sandbox reports what does not parse
+
+
+def test_refine_refuses_hacking_before_running_it_and_counts_it(pool):
+    env = Refine(pool, num_tests=3, max_turns=3)
+    env.reset(1)
+    name = env.task.name
+    forged = f"```python\nimport sys\ndef {name}(*a):\n    sys.exit(0)\n```"
+    res = asyncio.run(env.step(forged))
+    assert res.reward == 0.0 and res.info["hacking"] == 1.0 and not res.done
+    assert res.observation.startswith("Your code was not run: it imports sys, which the tests")
+    penalised = Refine(pool, num_tests=3, max_turns=3, hacking_penalty=-1.0)
+    penalised.reset(1)
+    assert asyncio.run(penalised.step(forged)).reward == -1.0
+    # Printing a marker of its own gets nothing: the harness's is drawn per run.
+    fake = (
+        f"```python\ndef {name}(*a):\n    return None\n"
+        'print(\'__refine_outputs__\' + \'[["ok", 1], ["ok", 1], ["ok", 1]]\')\n```'
+    )
+    res = asyncio.run(env.step(fake))
+    assert res.info["hacking"] == 0.0 and res.reward < 1.0
+    # With the check off, the same code runs.
+    unchecked = Refine(pool, num_tests=3, max_turns=3, hacking_penalty=None)
+    unchecked.reset(1)
+    assert asyncio.run(unchecked.step(forged)).info["hacking"] == 0.0
+
+
+def test_refine_summaries_keep_code_summary_and_result_not_the_reasoning(pool):
+    env = make_env("refine", pool=pool, num_tests=4, max_turns=3, summaries=True)
+    seed = next(s for s in range(100) if refine.TASKS[0] is _task_of(s))
+    statement = env.reset(seed)
+    assert statement.endswith("summary of your reasoning in <summary>...</summary>.")
+    wrong = (
+        "A long line of reasoning that should not be kept. "
+        "```python\ndef digit_sum(n):\n    return n % 10\n```"
+        "<summary>took the last digit</summary>"
+    )
+    first = asyncio.run(env.step(wrong)).observation
+    assert first.startswith(statement + "\n\nAttempt 1:\n```python\ndef digit_sum(n):")
+    assert "Summary: took the last digit\nResult: " in first and "long line" not in first
+    second = asyncio.run(env.step("no code, no summary")).observation
+    assert second.startswith(first + "\n\nAttempt 2:\n(no code)\nResult: No ```python block")
 
 
 def _task_of(seed):

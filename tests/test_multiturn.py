@@ -2,6 +2,8 @@
 (GiGPO, Kevin) from scripted episodes through make_batch and the trainer, ReMax's greedy
 baseline, DAPO resampling. Oracles are NumPy transcriptions of docs/METHODS.md."""
 
+import asyncio
+
 import jax
 import numpy as np
 import pytest
@@ -301,6 +303,33 @@ def test_anchor_metrics_count_shared_states_within_each_prompt_group():
     sizes = [3, 1, 3, 1, 3] + [1, 2, 2]
     assert m["env/anchor_group_size"] == pytest.approx(np.mean(sizes))
     assert m["env/anchor_shared_frac"] == pytest.approx(5 / 8)
+
+
+def test_an_envs_numeric_step_info_is_logged_as_its_mean_over_the_batchs_steps():
+    # What step_environment records: info entries other than the anchor state and success.
+    from jaxrl_tools.envs import StepResult
+    from jaxrl_tools.rollout.resolver import step_environment
+
+    class Scripted:
+        def __init__(self, infos):
+            self.infos = iter(infos)
+
+        def step(self, text):
+            return StepResult("obs", 0.0, False, next(self.infos))
+
+    trajs = [Trajectory(0, i, [1]) for i in range(2)]
+    infos = [
+        [{"anchor_state": "s", "success": True, "hacking": 1.0, "note": "text"}, {"hacking": 0.0}],
+        [{"hacking": 0.0, "tests": 3}],
+    ]
+    for t, steps in zip(trajs, infos):
+        env = Scripted(steps)
+        for _ in steps:
+            asyncio.run(step_environment(env, "turn", t))
+    assert trajs[0].env_metrics == [{"hacking": 1.0}, {"hacking": 0.0}]
+    m = rollout_metrics(trajs, np.zeros(2), {}, group_size=2)
+    assert m["env/hacking"] == pytest.approx(1 / 3)
+    assert m["env/tests"] == pytest.approx(1.0)  # a step without it counts 0
 
 
 @pytest.mark.parametrize("last_cut,step_gamma", [(False, 0.95), (True, 0.95), (True, 0.5)])

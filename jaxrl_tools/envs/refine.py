@@ -7,13 +7,27 @@ model's text is run in the sandbox on the inputs only; the outputs come back as 
 compared here, so the expected values never reach model-written code. The turn's reward is the
 fraction of tests passed, plus 1 when all pass (the correctness gate), which ends the episode.
 Kevin's discounted per-turn returns (gamma 0.4) are the estimator's business, not the env's.
+
+Two more of Kevin's settings:
+- Reward hacking (`hacking_penalty`): code that could pass by other means than computing the
+  answer (imports outside a small list, reading files or its own source, leaving the process,
+  reaching interpreter internals through `__dunder__` attributes or `globals()`) is not run; the
+  turn scores `hacking_penalty` (Kevin's: 0) and its info says `hacking` (logged as
+  env/hacking). The marker that the harness prints its outputs after is drawn afresh per run.
+- Summaries (`summaries`): the prompt asks the model to end each answer with a short
+  `<summary>`, and each observation is the task again and the attempts so far, each as its
+  code, that summary and its test result, without the rest of its reasoning. With
+  `env.history: state` that is the whole context of a turn: `max_turns` attempts, not every
+  turn's reasoning.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import re
+import secrets
 from collections.abc import Callable
 
 import numpy as np
@@ -21,7 +35,39 @@ import numpy as np
 from jaxrl_tools.envs.base import Env, StepResult, register_env
 
 _CODE = re.compile(r"```python\n(.*?)```", re.DOTALL)
-_MARK = "__refine_outputs__"
+_SUMMARY = re.compile(r"<summary>(.*?)</summary>", re.DOTALL)
+# What a solution may import: enough to write any of the tasks, nothing that reaches the process.
+ALLOWED_IMPORTS = frozenset(
+    ("bisect", "collections", "functools", "heapq", "itertools", "math", "operator", "re",
+     "string", "typing")
+)  # fmt: skip
+_FORBIDDEN_NAMES = frozenset(
+    ("__builtins__", "__file__", "__import__", "__loader__", "__spec__", "breakpoint",
+     "compile", "eval", "exec", "exit", "getattr", "globals", "input", "locals", "open",
+     "quit", "setattr", "vars")
+)  # fmt: skip
+
+
+def hacking(code: str) -> str | None:
+    """Why `code` is refused as reward hacking (Kevin's checks, for Python), or None. Read from
+    the syntax tree: nothing runs (code that does not parse is the sandbox's to report)."""
+    if len(code) > 20_000:
+        return "it is over 20,000 characters"
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            for name in names:
+                if (name or "").split(".")[0] not in ALLOWED_IMPORTS:
+                    return f"it imports {name or 'from a relative module'}"
+        elif isinstance(node, ast.Name) and node.id in _FORBIDDEN_NAMES:
+            return f"it uses {node.id}"
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("__"):
+            return f"it reaches the attribute {node.attr}"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,32 +136,47 @@ TASKS = (
 @register_env("refine")
 class Refine(Env):
     """Args: pool (a `jaxrl_tools.tools.SandboxPool`), num_tests (hidden tests per task),
-    max_turns (refinement turns), timeout_s (per run of the tests)."""
+    max_turns (refinement turns), timeout_s (per run of the tests), hacking_penalty (the
+    reward of code refused by `hacking`; null: no check), summaries (module docstring)."""
 
-    def __init__(self, pool, num_tests: int = 8, max_turns: int = 4, timeout_s: float = 5.0):
+    def __init__(
+        self,
+        pool,
+        num_tests: int = 8,
+        max_turns: int = 4,
+        timeout_s: float = 5.0,
+        hacking_penalty: float | None = 0.0,
+        summaries: bool = False,
+    ):
         self.pool, self.num_tests, self.max_turns = pool, num_tests, max_turns
-        self.timeout_s = timeout_s
+        self.timeout_s, self.hacking_penalty, self.summaries = timeout_s, hacking_penalty, summaries
         self.task: Task | None = None
         self.inputs: list[tuple] = []
         self.turns = 0
-        self.best = 0.0
+        self.attempts: list[str] = []  # with summaries: each earlier attempt, as shown
 
     def reset(self, seed: int) -> str:
         rng = np.random.default_rng(seed)
         self.task = TASKS[int(rng.integers(len(TASKS)))]
         self.inputs = [self.task.draw_inputs(rng) for _ in range(self.num_tests)]
-        self.turns, self.best = 0, 0.0
-        return (
+        self.turns, self.attempts = 0, []
+        self.statement = (
             f"Write `{self.task.signature}`: {self.task.description}\n"
             "Answer with the whole function in one ```python block. Hidden tests will check it; "
             "you will see how many passed and can improve it."
+            + (
+                " End your answer with a short summary of your reasoning in <summary>...</summary>."
+                if self.summaries
+                else ""
+            )
         )
+        return self.statement
 
     @property
     def state_key(self):
         return (self.task.name if self.task else None, self.turns)
 
-    def _harness(self, code: str) -> str:
+    def _harness(self, code: str, mark: str) -> str:
         return (
             f"{code}\n\nimport json as _json\n_outs = []\n"
             f"for _args in _json.loads({json.dumps(json.dumps(self.inputs))}):\n"
@@ -123,7 +184,7 @@ class Refine(Env):
             f"        _outs.append(['ok', {self.task.name}(*_args)])\n"
             "    except Exception as _e:\n"
             "        _outs.append(['error', type(_e).__name__ + ': ' + str(_e)[:200]])\n"
-            f"print({_MARK!r} + _json.dumps(_outs, default=repr))\n"
+            f"print({mark!r} + _json.dumps(_outs, default=repr))\n"
         )
 
     async def step(self, action_text: str) -> StepResult:
@@ -131,22 +192,32 @@ class Refine(Env):
         self.turns += 1
         last = self.turns >= self.max_turns
         blocks = _CODE.findall(action_text)
+        info = {"anchor_state": anchor, "success": False, "hacking": 0.0}
         if not blocks:
             obs = "No ```python block found: answer with the whole function in one."
-            return StepResult(obs, 0.0, last, {"anchor_state": anchor, "success": False})
-        res = await self.pool.run(self._harness(blocks[-1]), timeout_s=self.timeout_s)
+            return self._result(action_text, None, obs, 0.0, last, info)
+        why = hacking(blocks[-1]) if self.hacking_penalty is not None else None
+        if why is not None:
+            obs = (
+                f"Your code was not run: {why}, which the tests do not allow. Write the "
+                f"function in plain Python (imports: {', '.join(sorted(ALLOWED_IMPORTS))})."
+            )
+            info["hacking"] = 1.0
+            return self._result(action_text, blocks[-1], obs, self.hacking_penalty, last, info)
+        mark = f"__refine_outputs_{secrets.token_hex(8)}__"  # not known to the code beforehand
+        res = await self.pool.run(self._harness(blocks[-1], mark), timeout_s=self.timeout_s)
         outputs = None
         for line in reversed(res.stdout.splitlines()):
-            if line.startswith(_MARK):
+            if line.startswith(mark):
                 try:
-                    outputs = json.loads(line[len(_MARK) :])
+                    outputs = json.loads(line[len(mark) :])
                 except ValueError:
                     pass
                 break
         if not isinstance(outputs, list) or len(outputs) != len(self.inputs):
             err = (res.stderr.strip().splitlines() or [res.status])[-1]
             obs = f"Your code did not run: {err}"
-            return StepResult(obs, 0.0, last, {"anchor_state": anchor, "success": False})
+            return self._result(action_text, blocks[-1], obs, 0.0, last, info)
         passed, first_failure = 0, None
         for args, out in zip(self.inputs, outputs):
             want = json.loads(json.dumps(self.task.reference(*args)))
@@ -157,11 +228,22 @@ class Refine(Env):
                 got = f"raised {out[1]}" if out[0] == "error" else f"returned {out[1]!r}"
                 first_failure = f"{call} {got}, expected {want!r}"
         score = passed / len(self.inputs)
-        success = passed == len(self.inputs)
+        info["success"] = success = passed == len(self.inputs)
         obs = f"{passed} of {len(self.inputs)} tests passed." + (
             f" First failure: {first_failure}" if first_failure else ""
         )
         reward = score + (1.0 if success else 0.0)
-        return StepResult(
-            obs, reward, success or last, {"anchor_state": anchor, "success": success}
+        return self._result(action_text, blocks[-1], obs, reward, success or last, info)
+
+    def _result(self, text, code, feedback, reward, done, info) -> StepResult:
+        """The step's result; with summaries, the observation lists every attempt so far."""
+        if not self.summaries:
+            return StepResult(feedback, reward, done, info)
+        summary = _SUMMARY.findall(text)
+        self.attempts.append(
+            f"Attempt {self.turns}:\n"
+            + (f"```python\n{code}```\n" if code is not None else "(no code)\n")
+            + (f"Summary: {summary[-1].strip()}\n" if summary else "")
+            + f"Result: {feedback}"
         )
+        return StepResult("\n\n".join([self.statement, *self.attempts]), reward, done, info)

@@ -485,7 +485,14 @@ def _share_results(ready: list, samples: list[Sample]) -> list:
 
 
 # What the resolver's tasks write into a trajectory besides the observation tokens.
-_TASK_FIELDS = ("tool_calls", "num_tool_calls", "env_rewards", "env_states", "env_success")
+_TASK_FIELDS = (
+    "tool_calls",
+    "num_tool_calls",
+    "env_rewards",
+    "env_states",
+    "env_success",
+    "env_metrics",
+)
 
 
 def run_rollouts(engine, params, prompts: Sequence[Any], **kwargs) -> list[Trajectory]:

@@ -288,7 +288,8 @@ async def step_environment(env, action_text: str, traj: Trajectory) -> tuple[str
         (sync or async).
       action_text: the turn's text, without its end token.
       traj: gets the reward (`env_rewards`), the anchor state (`env_states`, from
-        info["anchor_state"]) and whether the goal was reached (`env_success`).
+        info["anchor_state"]), whether the goal was reached (`env_success`) and the step's
+        other numeric info (`env_metrics`).
 
     Returns:
       (observation, reward, done).
@@ -300,6 +301,13 @@ async def step_environment(env, action_text: str, traj: Trajectory) -> tuple[str
     traj.env_rewards.append(float(reward))
     traj.env_states.append(info.get("anchor_state"))
     traj.env_success = bool(info.get("success"))
+    traj.env_metrics.append(
+        {
+            k: float(v)
+            for k, v in info.items()
+            if k not in ("anchor_state", "success") and isinstance(v, int | float)
+        }
+    )
     return observation, float(reward), bool(done)
 
 

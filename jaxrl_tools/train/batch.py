@@ -140,6 +140,9 @@ def rollout_metrics(
     if turns.any():  # episodes of an environment
         out["env/success_rate"] = float(np.mean([t.env_success for t in trajectories]))
         out["env/turns_mean"] = float(turns.mean())
+        steps = [m for t in trajectories for m in t.env_metrics]
+        for name in sorted({k for m in steps for k in m}):
+            out[f"env/{name}"] = float(np.mean([m.get(name, 0.0) for m in steps]))
         out.update(anchor_metrics(trajectories, group_size))
     finish: dict[str, int] = {}
     for t in trajectories:

@@ -490,6 +490,8 @@ def test_check_every_recipe(name, capsys, tmp_path, monkeypatch):
         "deepretrieval_search",
         "deepretrieval_sql",
         "artist",
+        "artist_functions",
+        "mixed_tools",
         "torl",
         "zerotir",
     ],

@@ -14,6 +14,7 @@ from jaxrl_tools.tools.base import (
     Tool,
     describe_exception,
     format_int,
+    register_tool,
     truncate_middle,
 )
 
@@ -130,6 +131,28 @@ class FunctionTool(Tool):
                     f"as JSON: {describe_exception(e, 200)}"
                 )
         return Observation(truncate_middle(text, self.max_output_chars))
+
+
+@register_tool("function")
+class ImportedFunction(FunctionTool):
+    """A typed Python function named by import path, as a tool a config can declare:
+    `tools: [{class: function, config: {function: "mypkg.tools:get_weather"}}]`. It runs in the
+    trainer's process: trusted code of the user's, whose arguments the model chooses (the
+    executor validates them against the schema first)."""
+
+    def __init__(
+        self,
+        function: str,
+        name: str | None = None,
+        description: str | None = None,
+        max_output_chars: int = 4000,
+    ):
+        from jaxrl_tools.config.checks import import_object  # noqa: PLC0415 - config imports tools
+
+        fn = import_object(function, "config.function", "function")
+        if not callable(fn):
+            raise ValueError(f"config.function={function!r} is not a function")
+        super().__init__(fn, name, description, max_output_chars)
 
 
 def function_tool(fn=None, *, name: str | None = None, description: str | None = None):

@@ -40,6 +40,8 @@ RECIPES = {
     "dapo": "qwen2.5-32b",
     "zerotir": "qwen2.5-7b",
     "artist": "qwen2.5-7b",
+    "artist_functions": "qwen2.5-7b",
+    "mixed_tools": "qwen2.5-7b",
     "toolrl_grpo": "qwen2.5-7b",
     "tool_n1": "qwen2.5-7b",
     "search_r1": "qwen2.5-3b",

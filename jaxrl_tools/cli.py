@@ -17,7 +17,18 @@ from pathlib import Path
 
 import jax
 
-from jaxrl_tools import check, configs, host, plan, run, setup, sharding, smoke, targets
+from jaxrl_tools import (
+    check,
+    configs,
+    curation,
+    host,
+    plan,
+    run,
+    setup,
+    sharding,
+    smoke,
+    targets,
+)
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import load_config
 from jaxrl_tools.data import DataError
@@ -137,6 +148,8 @@ def _dispatch(args, cfg) -> int | None:
         for key, value in sorted(metrics.items()):
             if not key.startswith("_"):
                 print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
+    elif args.command == "pass-rate":
+        curation.command(cfg, args)
     elif args.command == "export":
         print(f"exported to {run.export(cfg, args.out, args.step)}")
     elif args.command == "plan":
@@ -336,6 +349,21 @@ def main(argv=None) -> int:
     p = command("eval", "accuracy / pass@k and tool statistics on the eval data")
     p.add_argument("--checkpoint", action="store_true", help="evaluate the run's checkpoint")
     p.add_argument("--step", type=int)
+    p = command(
+        "pass-rate",
+        "sample each training prompt k times with the recipe's policy; write those whose pass "
+        "rate is in a band (with the rate, for data.curriculum)",
+    )
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt (k)")
+    p.add_argument("--keep", default="0.1..0.9", help="LO..HI: the pass rates kept")
+    p.add_argument("--output", required=True, help="the jsonl to write (data.train_files)")
+    p.add_argument("--checkpoint", action="store_true", help="sample the run's checkpoint")
+    p.add_argument("--step", type=int)
+    p.add_argument(
+        "--recheck",
+        action="store_true",
+        help="a second, fresh round: the zero-variance share over all and over kept prompts",
+    )
     p = command("export", "write a checkpoint's policy as a Hugging Face folder")
     p.add_argument("--out", required=True)
     p.add_argument("--step", type=int)

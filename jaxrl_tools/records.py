@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from jaxrl_tools import data, envs, prompts, sharding
+from jaxrl_tools import curation, data, envs, prompts, sharding
 from jaxrl_tools.config import ConfigError, RunConfig
 from jaxrl_tools.demo import function_calling, grid_games, task
 from jaxrl_tools.tools.search import iter_passages
@@ -278,13 +278,17 @@ def fit_prompts(
 
 
 def train_loader(cfg: RunConfig, tokenizer, tools_schema=None) -> data.PromptLoader:
-    """The prompts of the RL steps, shuffled and repeated (`fit_prompts` applied). In a
-    multi-process job each process reads its slice of every batch; all see the batch."""
+    """The prompts of the RL steps, shuffled and repeated (`fit_prompts` applied; with
+    `data.curriculum`, in its order instead). In a multi-process job each process reads its
+    slice of every batch; all see the batch."""
     fitted = fit_prompts(cfg, records(cfg, "train"), "train", tokenizer, tools_schema)
     shard = dict(shard=(jax.process_index(), jax.process_count()), gather=sharding.agree)
-    return data.loader_from_config(
-        cfg.data, "train", source=fitted, **(shard if jax.process_count() > 1 else {})
-    )
+    if jax.process_count() == 1:
+        shard = {}
+    if cfg.data.curriculum is not None:  # every epoch in the curriculum's order, not shuffled
+        order = curation.curriculum_order(fitted, cfg.data.curriculum)
+        fitted, shard["shuffle"] = [fitted[i] for i in order], False
+    return data.loader_from_config(cfg.data, "train", source=fitted, **shard)
 
 
 def eval_records(cfg: RunConfig, tokenizer, tools_schema=None) -> list[dict]:

@@ -301,13 +301,19 @@ def export(cfg: RunConfig, out: str, step: int | None = None) -> Path:
     return Path(out)
 
 
-def evaluate_policy(cfg: RunConfig, *, from_checkpoint: bool, step: int | None = None) -> dict:
-    """Held-out evaluation of `model.path` or of a run's checkpoint."""
+def load_policy(cfg: RunConfig, *, from_checkpoint: bool, step: int | None = None):
+    """(model config, params, tokenizer) of a run's checkpoint, or of `model.path`."""
     if from_checkpoint:
         model_cfg, params, tokenizer, _ = restore_policy(cfg, step)
-    else:
-        tokenizer = setup_tokenizer(cfg)
-        model_cfg, params = setup_model(cfg, tokenizer, make_mesh(cfg))
+        return model_cfg, params, tokenizer
+    tokenizer = setup_tokenizer(cfg)
+    model_cfg, params = setup_model(cfg, tokenizer, make_mesh(cfg))
+    return model_cfg, params, tokenizer
+
+
+def evaluate_policy(cfg: RunConfig, *, from_checkpoint: bool, step: int | None = None) -> dict:
+    """Held-out evaluation of `model.path` or of a run's checkpoint."""
+    model_cfg, params, tokenizer = load_policy(cfg, from_checkpoint=from_checkpoint, step=step)
     tools = setup_tools(cfg)
     episodes = setup_episodes(cfg)
     try:

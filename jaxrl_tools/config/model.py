@@ -10,6 +10,7 @@ from jaxrl_tools.config.checks import _at_least, _check, _check_choice
 from jaxrl_tools.train.lora import DECODE_MODES as LORA_DECODE_MODES
 
 TASKS = ("tool_arithmetic", "function_calling")  # generated data (`data.task`)
+CURRICULA = ("easy_to_hard",)  # orders of the training prompts (`data.curriculum`)
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,9 @@ class DataSection:
     task_eval_size: int = 200
     task_difficulty: int = 2
     task_eval_all_levels: bool = False  # eval on levels 0..task_difficulty, not only the top
+    # The training prompts' order: null (shuffled) or "easy_to_hard" (highest pass rate first,
+    # every epoch; the records need a "pass_rate": `jaxrl-tools pass-rate` writes it).
+    curriculum: str | None = None
     # A `verifiers` environment's tasks: {taskset: id, train: {its config}, eval: {...}}; its
     # episodes are the rollouts (jaxrl_tools/rollout/verifiers_envs.py).
     verifiers: dict[str, Any] | None = None
@@ -183,6 +187,8 @@ class DataSection:
         )
         if self.task is not None:
             _check_choice(self.task, "data.task", TASKS)
+        if self.curriculum is not None:
+            _check_choice(self.curriculum, "data.curriculum", CURRICULA)
         if self.verifiers is not None:
             v = self.verifiers
             _check(

@@ -21,6 +21,7 @@ from jaxrl_tools.envs.oracle import shortest_plan
 # The thought of every oracle turn, per game: the same each turn, so a tiny policy decides
 # once, in the answer.
 THOUGHTS = {"frozenlake": "Go to G around O.", "sokoban": "Push X onto O."}
+HINTS_PREFIX = "Box from you:"  # envs.Sokoban's hints line
 
 
 def is_grid_game(env_name: str) -> bool:
@@ -28,9 +29,13 @@ def is_grid_game(env_name: str) -> bool:
     return issubclass(envs.env_class(env_name), envs.GridEnv)
 
 
-def turn_text(game: str, moves: Sequence[str]) -> str:
-    """A RAGEN turn of `game` making `moves`, with the game's constant thought."""
-    thought = THOUGHTS.get(game, "Reach the goal.")
+def turn_text(game: str, moves: Sequence[str], observation: str = "") -> str:
+    """A RAGEN turn of `game` making `moves`. Its thought restates the observation's hints line
+    (Sokoban's `hints`) when there is one: copying it is easy, and the move then follows from
+    the policy's own last tokens instead of a line far back in the prompt. Else the game's
+    constant thought."""
+    hints = [line for line in observation.splitlines() if line.startswith(HINTS_PREFIX)]
+    thought = hints[-1] if hints else THOUGHTS.get(game, "Reach the goal.")
     return f"<think>{thought}</think><answer>{' || '.join(moves)}</answer>"
 
 
@@ -88,7 +93,7 @@ def _oracle_turns(
     observation, turns, plan = env.reset(seed), [], None
     while True:
         moves, plan = oracle_moves(env.env, plan, rng, noise, episodes.max_actions_per_turn)
-        turns.append((observation, turn_text(episodes.name, moves)))
+        turns.append((observation, turn_text(episodes.name, moves, observation)))
         res = env.step(turns[-1][1])
         if res.done:
             return instructions(env), turns

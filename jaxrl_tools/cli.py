@@ -137,18 +137,9 @@ def _dispatch(args, cfg) -> int | None:
         check.preflight_sft(cfg)
         print(f"SFT model written to {run.sft_only(cfg, args.out)}")
     elif args.command == "eval":
-        if not args.checkpoint and cfg.model.path is None:
-            raise ConfigError(
-                "eval without --checkpoint evaluates model.path, and model.path is null (a "
-                "random tiny model): add --checkpoint to evaluate the run's checkpoint, or set "
-                "model.path"
-            )
-        check.preflight_eval(cfg)
-        metrics = run.evaluate_policy(cfg, from_checkpoint=args.checkpoint, step=args.step)
-        for key, value in sorted(metrics.items()):
-            if not key.startswith("_"):
-                print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
+        _eval(cfg, args)
     elif args.command == "pass-rate":
+        require_policy(cfg, args, "sample")
         curation.command(cfg, args)
     elif args.command == "export":
         print(f"exported to {run.export(cfg, args.out, args.step)}")
@@ -201,6 +192,25 @@ def _dispatch(args, cfg) -> int | None:
         print("\n".join(lines))
         return 0 if ok else 1
     return None
+
+
+def require_policy(cfg, args, verb: str) -> None:
+    """`eval` and `pass-rate` read a trained policy: `model.path`, or the run's checkpoint."""
+    if not args.checkpoint and cfg.model.path is None:
+        raise ConfigError(
+            f"{args.command} without --checkpoint {verb}s model.path, and model.path is null (a "
+            f"random tiny model): add --checkpoint to {verb} the run's checkpoint, or set "
+            "model.path"
+        )
+    check.preflight_eval(cfg)
+
+
+def _eval(cfg, args) -> None:
+    require_policy(cfg, args, "evaluate")
+    metrics = run.evaluate_policy(cfg, from_checkpoint=args.checkpoint, step=args.step)
+    for key, value in sorted(metrics.items()):
+        if not key.startswith("_"):
+            print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
 
 
 def _plan(cfg, args) -> "plan.RunPlan":

@@ -163,9 +163,7 @@ def run_pass_rate(
 
 
 def command(cfg: RunConfig, args) -> None:
-    """`jaxrl-tools pass-rate` (its arguments in cli.py): checks, runs, prints."""
-    from jaxrl_tools import check  # noqa: PLC0415 - the loaders never import the preflight
-
+    """`jaxrl-tools pass-rate` (its arguments and the policy's check in cli.py): runs, prints."""
     band = parse_band(args.keep)
     if args.samples < 2:
         raise ConfigError(f"--samples={args.samples}: a pass rate needs at least 2 samples")
@@ -174,13 +172,6 @@ def command(cfg: RunConfig, args) -> None:
             f"--output {args.output}: give a new file in an existing folder (nothing is "
             "overwritten)"
         )
-    if not args.checkpoint and cfg.model.path is None:
-        raise ConfigError(
-            "pass-rate without --checkpoint samples model.path, and model.path is null (a "
-            "random tiny model): add --checkpoint to sample the run's checkpoint, or set "
-            "model.path"
-        )
-    check.preflight_eval(cfg)
     out = run_pass_rate(
         cfg,
         samples=args.samples,

@@ -45,6 +45,7 @@ RECIPES = {
     "toolrl_grpo": "qwen2.5-7b",
     "tool_n1": "qwen2.5-7b",
     "search_r1": "qwen2.5-3b",
+    "deepresearcher": "qwen2.5-7b",
     "deepretrieval_search": "qwen2.5-3b",
     "deepretrieval_sql": "qwen2.5-3b",
     "torl": "qwen2.5-1.5b",

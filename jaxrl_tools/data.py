@@ -223,6 +223,7 @@ def make_dataset(
     shuffle: bool = True,
     num_epochs: int | None = None,
     drop_remainder: bool = True,
+    mix: Sequence[tuple[int, float]] | None = None,
 ) -> grain.MapDataset:
     """source -> shuffle(seed) -> repeat(num_epochs; reshuffled each epoch) -> batch (lists).
     (`PromptLoader` runs it over `range(len(records))` and reads the records of each batch.)
@@ -234,12 +235,25 @@ def make_dataset(
       shuffle: shuffle (False: file order).
       num_epochs: passes over the data; None repeats forever.
       drop_remainder: drop a last incomplete batch (only matters with finite epochs).
+      mix: (size, weight) of consecutive parts of `source` (its files): each part is shuffled
+        (seed + its index) and repeated on its own, and the parts are interleaved in proportion
+        to their weights, deterministically (grain's mix), forever (num_epochs must be None).
 
     Returns:
       A grain MapDataset whose elements are lists of `batch_size` records.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if mix is not None:
+        if num_epochs is not None or sum(n for n, _ in mix) != len(source):
+            raise ValueError("mix: parts must cover the source, and repeat forever")
+        parts, start = [], 0
+        for i, (n, _) in enumerate(mix):
+            part = grain.MapDataset.source(source).slice(slice(start, start + n))
+            parts.append((part.shuffle(seed=seed + i) if shuffle else part).repeat(None))
+            start += n
+        ds = grain.MapDataset.mix(parts, [w for _, w in mix])
+        return ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=list)
     ds = grain.MapDataset.source(source)
     if shuffle:
         ds = ds.shuffle(seed=seed)
@@ -256,7 +270,7 @@ class PromptLoader:
 
     Args:
       source: a random-access source.
-      batch_size, seed, shuffle, num_epochs, drop_remainder: see `make_dataset`.
+      batch_size, seed, shuffle, num_epochs, drop_remainder, mix: see `make_dataset`.
       num_threads: grain read threads (0: read in the calling thread; records are in memory
         already, and threads would compete with the trainer for CPU).
       shard: (index, count): read the index-th of `count` contiguous slices of every batch.
@@ -276,6 +290,7 @@ class PromptLoader:
         num_threads: int = 0,
         shard: tuple[int, int] = (0, 1),
         gather: Callable[[list], list[list]] | None = None,
+        mix: Sequence[tuple[int, float]] | None = None,
     ):
         index, count = shard
         if not 0 <= index < count:
@@ -292,6 +307,7 @@ class PromptLoader:
             shuffle=shuffle,
             num_epochs=num_epochs,
             drop_remainder=drop_remainder,
+            mix=mix,
         )
         read = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=num_threads * 4)
         self._it = iter(self.dataset.to_iter_dataset(read))

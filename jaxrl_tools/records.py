@@ -288,7 +288,24 @@ def train_loader(cfg: RunConfig, tokenizer, tools_schema=None) -> data.PromptLoa
     if cfg.data.curriculum is not None:  # every epoch in the curriculum's order, not shuffled
         order = curation.curriculum_order(fitted, cfg.data.curriculum)
         fitted, shard["shuffle"] = [fitted[i] for i in order], False
+    if cfg.data.train_weights is not None:
+        shard["mix"] = file_mix(fitted, cfg.data.train_files, cfg.data.train_weights)
     return data.loader_from_config(cfg.data, "train", source=fitted, **shard)
+
+
+def file_mix(recs: Sequence[dict], files: Sequence[str], weights: Sequence[float]) -> list:
+    """(records, weight) of each training file, in order, for `data.train_weights` (records
+    are in file order; "source" is "file:line")."""
+    counts = dict.fromkeys((str(Path(f)) for f in files), 0)
+    for rec in recs:
+        counts[rec["source"].rsplit(":", 1)[0]] += 1
+    for path, n in counts.items():
+        if n == 0:
+            raise ConfigError(
+                f"data.train_weights: {path} has no prompt left (rollout.max_prompt_len "
+                "dropped them all): give it a weight only if it has prompts"
+            )
+    return [(counts[str(Path(f))], float(w)) for f, w in zip(files, weights)]
 
 
 def eval_records(cfg: RunConfig, tokenizer, tools_schema=None) -> list[dict]:

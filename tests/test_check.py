@@ -489,6 +489,7 @@ def test_check_every_recipe(name, capsys, tmp_path, monkeypatch):
         "search_r1",
         "deepretrieval_search",
         "deepretrieval_sql",
+        "deepresearcher",
         "artist",
         "artist_functions",
         "mixed_tools",

@@ -122,3 +122,31 @@ def test_pass_rate_command_samples_a_checkpoint_and_writes_the_band(tmp_path, ca
     assert "give a new file in an existing folder" in capsys.readouterr().err
     assert cli.main([*argv[:3], "--output", str(tmp_path / "x.jsonl")]) == 2
     assert "model.path is null (a random tiny model)" in capsys.readouterr().err
+
+
+def test_training_files_mixed_by_weight_in_their_proportions(tmp_path):
+    files = []
+    for name, n in (("small", 10), ("large", 50)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(
+            json.dumps({"prompt": f"{name} {i}", "ground_truth": "1"}) + "\n" for i in range(n)
+        ))  # fmt: skip
+        files.append(str(path))
+
+    def drawn(weights, seed=0, batches=50):
+        data = {"task": None, "train_files": files, "train_weights": weights, "batch_size": 8,
+                "shuffle_seed": seed}  # fmt: skip
+        cfg = config_from_dict(tiny_run_config_dict(tmp_path, data=data))
+        loader = records.train_loader(cfg, None)  # no prompt is dropped: no tokenizer needed
+        return [r["prompt"] for _ in range(batches) for r in next(loader)]
+
+    prompts = drawn([3.0, 1.0])
+    small = sum(p.startswith("small") for p in prompts) / len(prompts)
+    assert small == pytest.approx(0.75, abs=0.02)  # 3:1, though the small file is 5x smaller
+    assert len({p for p in prompts if p.startswith("small")}) == 10  # each file repeated
+    assert drawn([3.0, 1.0]) == prompts and drawn([3.0, 1.0], seed=1) != prompts
+    with pytest.raises(ConfigError, match=r"data\.train_weights needs one weight > 0 per"):
+        drawn([1.0])
+    with pytest.raises(ConfigError, match=r"data\.train_weights mixes the files forever"):
+        data = {"task": None, "train_files": files, "train_weights": [1, 1], "num_epochs": 1}
+        config_from_dict(tiny_run_config_dict(tmp_path, data=data))

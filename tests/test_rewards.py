@@ -58,6 +58,20 @@ def test_qa_em_normalisation():
     assert R.qa_em_reward("apple", "apple") == 0.0  # no <answer>
 
 
+def test_qa_f1_by_hand():
+    f1 = R.get_reward("qa_f1")
+    # "paris france" vs "paris": precision 1/2, recall 1/1 -> F1 2/3; the best target counts.
+    assert f1("<answer>Paris, France</answer>", ["Paris"]) == pytest.approx(2 / 3)
+    assert f1("<answer>the river Seine</answer>", {"target": ["Loire", "Seine river"]}) == 1.0
+    # "new york city" vs "york new": common {new, york} = 2, P 2/3, R 1 -> 0.8; words are a
+    # multiset: "new new" vs "new" has one word in common, P 1/2.
+    assert f1("<answer>New York City</answer>", "York New") == pytest.approx(0.8)
+    assert f1("<answer>new new</answer>", "new") == pytest.approx(2 / 3)
+    assert f1("<answer>Lima</answer>", "Oslo") == 0.0
+    assert f1("Lima, no tags", "Lima") == -1.0  # DeepResearcher's format penalty
+    assert f1("Lima", "Lima", format_penalty=0.0) == 0.0
+
+
 def test_format_order():
     good = "<think>a</think> <tool_call>{}</tool_call> <answer>b</answer>"
     tags = ("think", "tool_call", "answer")

@@ -148,6 +148,10 @@ class DataSection:
     """Prompt data (jsonl / parquet) and how to read it."""
 
     train_files: tuple[str, ...] = ()
+    # One weight per training file: batches draw from the files in these proportions (each file
+    # shuffled and repeated on its own, reproducible per data.shuffle_seed). null: the files'
+    # records are one pool.
+    train_weights: tuple[float, ...] | None = None
     eval_files: tuple[str, ...] = ()
     prompt_key: str = "prompt"  # a string or a list of chat messages
     answer_key: str = "ground_truth"
@@ -189,6 +193,20 @@ class DataSection:
             _check_choice(self.task, "data.task", TASKS)
         if self.curriculum is not None:
             _check_choice(self.curriculum, "data.curriculum", CURRICULA)
+        if self.train_weights is not None:
+            w = self.train_weights
+            _check(
+                len(w) == len(self.train_files) and all(x > 0 for x in w),
+                "data.train_weights",
+                f"needs one weight > 0 per data.train_files entry ({len(self.train_files)}), "
+                f"got {list(w)}",
+            )
+            _check(
+                self.num_epochs is None and self.curriculum is None,
+                "data.train_weights",
+                "mixes the files forever in their proportions: it takes no data.num_epochs and "
+                "no data.curriculum",
+            )
         if self.verifiers is not None:
             v = self.verifiers
             _check(

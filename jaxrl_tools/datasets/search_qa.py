@@ -318,7 +318,8 @@ def write_dataset(
     tokenizer=None,
     cache_dir: str | None = None,
 ) -> dict[str, Path]:
-    """Writes corpus.jsonl, pages.jsonl (web pages for the offline browse backend), train.jsonl,
+    """Writes corpus.jsonl, pages.jsonl (web pages for the offline browse backend), train.jsonl
+    (and its one- and two-hop questions apart: train_one_hop.jsonl, train_two_hop.jsonl),
     test.jsonl, sft_traces.jsonl and the query-rewriting sets retrieval_train.jsonl,
     retrieval_test.jsonl under `out`.
 
@@ -337,6 +338,9 @@ def write_dataset(
         paths[f"retrieval_{split}"] = write_jsonl(
             retrieval_records(records), out / f"retrieval_{split}.jsonl"
         )
+    for hops, name in ((1, "one_hop"), (2, "two_hop")):  # for mixing by weight (deepresearcher)
+        rows = [r for r in questions(world, "train", seed=seed) if r["hops"] == hops]
+        paths[f"train_{name}"] = write_jsonl(rows, out / f"train_{name}.jsonl")
     with tempfile.TemporaryDirectory() as tmp:
         tok = tokenizer or build_tokenizer(Path(tmp) / "tok", vocab_size=300)
         search = search_fn(paths["corpus"], top_k, cache_dir or str(Path(tmp) / "bm25"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import re
@@ -129,6 +130,20 @@ def qa_correct(response: str, ground_truth: Any) -> bool:
         return False
     pred_n = normalize_answer(pred)
     return any(pred_n == normalize_answer(t) for t in _qa_targets(ground_truth))
+
+
+def qa_f1(prediction: str, ground_truth: Any) -> float:
+    """SQuAD's word-level F1 of a prediction against the best of the ground-truth strings
+    (both normalised; words counted as a multiset)."""
+    pred = normalize_answer(prediction).split()
+    best = 0.0
+    for target in _qa_targets(ground_truth):
+        gold = normalize_answer(target).split()
+        common = sum((collections.Counter(pred) & collections.Counter(gold)).values())
+        if common:
+            precision, recall = common / len(pred), common / len(gold)
+            best = max(best, 2 * precision * recall / (precision + recall))
+    return best
 
 
 CORRECTNESS_CHECKERS: dict[str, Callable[[str, Any], bool]] = {

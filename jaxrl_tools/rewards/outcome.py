@@ -7,10 +7,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxrl_tools.rewards.answers import (
+    last_answer_tag,
     last_boxed,
     math_correct,
     math_equal,
     qa_correct,
+    qa_f1,
     tags_in_order,
 )
 from jaxrl_tools.rewards.registry import TrajectoryInfo, _record_ok, register_reward
@@ -52,6 +54,20 @@ def qa_em_reward(
 ) -> float:
     """Search-R1 exact match on the last <answer>, SQuAD-normalised; any target may match."""
     return correct if qa_correct(response, ground_truth) else wrong
+
+
+@register_reward("qa_f1", correctness="qa_em")
+def qa_f1_reward(
+    response: str,
+    ground_truth: Any,
+    info: TrajectoryInfo | None = None,
+    *,
+    format_penalty: float = -1.0,
+) -> float:
+    """DeepResearcher's reward: the word-level F1 of the last <answer> against the best
+    ground-truth string (SQuAD-normalised); `format_penalty` when there is no <answer>."""
+    answer = last_answer_tag(response)
+    return format_penalty if answer is None else qa_f1(answer, ground_truth)
 
 
 @register_reward("format")

@@ -38,6 +38,8 @@ from shapes import CONFIG_JSON  # noqa: E402 - after XLA_FLAGS
 RECIPES = {
     "retool": "qwen2.5-32b",
     "dapo": "qwen2.5-32b",
+    "vapo": "qwen2.5-32b",
+    "drgrpo": "qwen2.5-7b",
     "zerotir": "qwen2.5-7b",
     "artist": "qwen2.5-7b",
     "artist_functions": "qwen2.5-7b",

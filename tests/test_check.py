@@ -402,6 +402,8 @@ def _stand_in_data(d: Path) -> dict[str, list[str]]:
         "torl": files,
         "zerotir": files,
         "artist": files,
+        "vapo": files,
+        "drgrpo": files,
     }
 
 
@@ -495,11 +497,14 @@ def test_check_every_recipe(name, capsys, tmp_path, monkeypatch):
         "mixed_tools",
         "torl",
         "zerotir",
+        "vapo",
+        "drgrpo",
     ],
 )
 def test_smoke_train_of_the_tool_recipes(name, capsys, tmp_path, monkeypatch):
-    """`train --smoke` of each function-calling, search, retrieval and Python-tool recipe: 2 RL
-    steps on its shipped data (or stand-in math files), its tools and every reward term."""
+    """`train --smoke` of each function-calling, search, retrieval, Python-tool, VAPO and
+    Dr. GRPO recipe: 2 RL steps on its shipped data (or stand-in math files), its tools and
+    every reward term."""
     monkeypatch.chdir(tmp_path)
     overrides = _stand_in_data(tmp_path).get(name, [])
     assert main(["train", "--smoke", "--config", name, *overrides]) == 0, capsys.readouterr().err

@@ -378,8 +378,12 @@ def loader_from_config(
     return PromptLoader(source, **kw)
 
 
-def load_sft_traces(files: Sequence[str | os.PathLike]) -> list[list[list[Any]]]:
-    """SFT traces from jsonl files, one {"segments": [[text, trainable], ...]} per line."""
+def load_sft_traces(
+    files: Sequence[str | os.PathLike], render: Callable[[dict], list] | None = None
+) -> list[list[list[Any]]]:
+    """SFT traces from jsonl files: {"segments": [[text, trainable], ...]} per line, or a prompt
+    record with its whole response ({"prompt", "response"}, e.g. ReTool's cold start), which
+    `render` (row -> segments: the run's chat template) turns into segments."""
     out = []
     for path in files:
         if not Path(path).is_file():
@@ -387,10 +391,17 @@ def load_sft_traces(files: Sequence[str | os.PathLike]) -> list[list[list[Any]]]
         for n, row, err in read_json_lines(Path(path)):
             if err is not None:
                 raise DataError(f"{path}:{n}: {err}")
-            try:
+            if isinstance(row, dict) and "segments" in row:
                 out.append(row["segments"])
-            except (KeyError, TypeError) as e:
-                raise DataError(f"{path}:{n}: not a JSON object with 'segments' ({e})") from None
+            elif isinstance(row, dict) and {"prompt", "response"} <= set(row):
+                if render is None:
+                    raise DataError(f"{path}:{n}: a prompt and response trace needs a tokenizer")
+                out.append(render(row))
+            else:
+                raise DataError(
+                    f"{path}:{n}: not a JSON object with 'segments', or with 'prompt' and "
+                    "'response'"
+                )
     return out
 
 

@@ -157,6 +157,38 @@ def chat_continuation(tokenizer, role: str, contents: Sequence[str]) -> str:
     return text[text.index(marker) + len(marker) :]
 
 
+def trace_segments(
+    tokenizer, record: Mapping[str, Any], system_prompt: str | None, observation=None
+) -> list[list]:
+    """An SFT trace from a prompt record and its whole response: the prompt as the rollout
+    renders it (not trained), then the response and the template's end of turn (trained),
+    except the observations in it (`observation`: a regex of the protocol's markup, e.g.
+    ReTool's <interpreter> block), which the rollout inserts and the loss leaves out."""
+    context = render_prompt(tokenizer, record, None, system_prompt)
+    msgs = prompt_messages(record, system_prompt)
+    full = tokenizer.apply_chat_template(
+        [*msgs, {"role": "assistant", "content": record["response"]}], tokenize=False
+    )
+    if not full.startswith(context):
+        raise DataError(
+            f"the chat template renders the response of {record.get('prompt')!r} after a "
+            "prompt other than the rollout's: it cannot be trained as one"
+        )
+    turn = full[len(context) :].rstrip("\n")  # the newline after the end token: never sampled
+    segments, pos = [[context, False]], 0
+    for m in observation.finditer(turn) if observation is not None else ():
+        segments += [[turn[pos : m.start()], True], [m.group(), False]]
+        pos = m.end()
+    segments += [[turn[pos:], True], [full[len(context) + len(turn) :], False]]
+    return [s for s in segments if s[0]]
+
+
+def observation_pattern(format_observation: Callable[[list[str]], str]) -> re.Pattern:
+    """A regex of a protocol's observation markup (`Parser.format_observation`), any text in."""
+    head, _, tail = format_observation([_slot(0)]).partition(_slot(0))
+    return re.compile(re.escape(head) + ".*?" + re.escape(tail), re.DOTALL)
+
+
 def _slot(i: int) -> str:
     return f"\u2063jaxrl-observation-{i}\u2063"
 

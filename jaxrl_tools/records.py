@@ -27,6 +27,7 @@ import jax
 from jaxrl_tools import curation, data, envs, prompts, sharding
 from jaxrl_tools.config import ConfigError, RunConfig
 from jaxrl_tools.demo import function_calling, grid_games, task
+from jaxrl_tools.tools import get_parser
 from jaxrl_tools.tools.search import iter_passages
 
 log = logging.getLogger(__name__)
@@ -318,7 +319,13 @@ def sft_traces(cfg: RunConfig, tokenizer) -> list[list[list[Any]]]:
     source generates (a ConfigError when it cannot: `Source.trace_error`)."""
     s = cfg.sft
     if s.train_files:
-        return data.load_sft_traces(s.train_files)[: s.max_traces]
+        protocol = cfg.rollout.protocol
+        markup = None if protocol == "none" else get_parser(protocol).format_observation
+        pattern = None if markup is None else prompts.observation_pattern(markup)
+        render = lambda row: prompts.trace_segments(  # noqa: E731
+            tokenizer, row, cfg.data.system_prompt, pattern
+        )
+        return data.load_sft_traces(s.train_files, render)[: s.max_traces]
     src = source(cfg)
     error = src.trace_error(cfg)
     if error is not None:

@@ -396,8 +396,10 @@ def _stand_in_data(d: Path) -> dict[str, list[str]]:
         d / "math.jsonl", [{"prompt": f"{i}+1?", "ground_truth": str(i + 1)} for i in range(6)]
     )
     files = [f"data.train_files={math}", f"data.eval_files={math}"]
+    response = "<code>\nprint(2)\n</code>\n<interpreter>\n2\n\n</interpreter>\n\\boxed{2}"
+    coldstart = jsonl(d / "coldstart.jsonl", [{"prompt": "1+1?", "response": response}] * 4)
     return {
-        "retool": files,
+        "retool": [*files, f"sft.train_files=[{coldstart}]"],
         "dapo": files,
         "torl": files,
         "zerotir": files,
@@ -499,6 +501,7 @@ def test_check_every_recipe(name, capsys, tmp_path, monkeypatch):
         "zerotir",
         "vapo",
         "drgrpo",
+        "retool",
     ],
 )
 def test_smoke_train_of_the_tool_recipes(name, capsys, tmp_path, monkeypatch):

@@ -188,8 +188,11 @@ def check_sft(cfg: RunConfig) -> int:
     if not s.enabled:
         return 0
     if s.train_files:
-        try:
-            n = len(data.load_sft_traces(s.train_files))
+        for path in s.train_files:
+            if not Path(path).is_file():
+                raise _missing("sft.train_files", path)
+        try:  # counted, not rendered (prompt and response rows meet the tokenizer in the run)
+            n = len(data.load_sft_traces(s.train_files, render=lambda row: []))
         except data.DataError as e:
             raise ConfigError(f"sft.train_files: {e}") from None
         if s.max_traces is not None:

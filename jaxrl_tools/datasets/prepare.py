@@ -352,6 +352,12 @@ def prepare(name: str, inputs, output, *, instruction=BOXED_INSTRUCTION, answers
 
 def missing_hint(path: str) -> str | None:
     """One line for a recipe's missing file: what it is and the command that makes it."""
+    if Path(path).name == "retool_coldstart.jsonl":
+        return (
+            f"{path} is missing: ReTool's code-integrated cold-start traces; run `jaxrl-tools "
+            f"prepare retool-coldstart --input <text reasoning traces> --output {path} "
+            "--endpoint <an OpenAI-compatible /v1> --model <its model>`"
+        )
     for d in DATASETS.values():
         for default in d.outputs:
             if Path(default).name == Path(path).name:
@@ -369,7 +375,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     table = "\n".join(f"  {d.name:14s}{d.what}: {d.source}" for d in DATASETS.values())
     p.description = f"datasets:\n{table}"
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("dataset", choices=sorted(DATASETS))
+    p.add_argument("dataset", choices=sorted([*DATASETS, "retool-coldstart"]))
     p.add_argument("--input", action="append", required=True, help="a downloaded file (repeat)")
     p.add_argument("--output", required=True, help="the .jsonl or .parquet to write")
     p.add_argument("--answers", action="append", help="bfcl: possible-answer file(s)")
@@ -378,11 +384,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=BOXED_INSTRUCTION,
         help="math: appended to each problem ('' for none)",
     )
+    coldstart = p.add_argument_group("retool-coldstart (text traces -> code-integrated traces)")
+    coldstart.add_argument("--endpoint", help="the rewriter's OpenAI-compatible base url (.../v1)")
+    coldstart.add_argument("--model", help="the rewriter's model name at that endpoint")
+    coldstart.add_argument("--api-key-env", help="an environment variable holding its API key")
+    coldstart.add_argument("--concurrency", type=int, default=8, help="traces in flight")
     p.set_defaults(overrides=[])  # the CLI's dotted overrides: prepare takes none
 
 
 def run(args: argparse.Namespace) -> int:
     """`jaxrl-tools prepare`: converts, then prints the count and the output's sha256."""
+    if args.dataset == "retool-coldstart":  # a model and the sandbox, not a conversion
+        from jaxrl_tools.datasets import retool_coldstart  # noqa: PLC0415
+
+        return retool_coldstart.run(args)
     n = prepare(
         args.dataset, args.input, args.output, instruction=args.instruction, answers=args.answers
     )

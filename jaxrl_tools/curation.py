@@ -6,9 +6,9 @@ A group whose samples all score alike gets zero advantage under GRPO and its des
 costs a rollout and teaches nothing. The papers filter such prompts out before training (an
 offline pass-rate band) and order what is left by difficulty (a curriculum, `data.curriculum`).
 
-    rates = pass_rates(cfg, samples=8)                       # one per training record
-    kept = in_band(rates, 0.1, 0.9)
-    write_records(cfg, records, rates, kept, "data/train_pass_rate.jsonl")
+    rates = sample_pass_rates(cfg, sampler, params, recs, reward, samples=8, seed=0)
+    kept = in_band(rates, 0.1, 0.9)                         # one flag per record
+    write_records(cfg, recs, rates, kept, "data/train_pass_rate.jsonl")
 
 A sample passes when the reward's answer checker says it is right (`reward.correctness`: math,
 qa_em, ...); for a reward without one, when its score is above 0.
@@ -29,7 +29,7 @@ from jaxrl_tools.train.batch import score_trajectories
 
 
 def parse_band(text: str) -> tuple[float, float]:
-    """ "LO..HI" -> (LO, HI), 0 <= LO <= HI <= 1; a ConfigError naming --keep otherwise."""
+    """The band of `--keep LO..HI` as (LO, HI), 0 <= LO <= HI <= 1; a ConfigError otherwise."""
     lo, sep, hi = text.partition("..")
     try:
         band = (float(lo), float(hi)) if sep else None

@@ -153,6 +153,7 @@ class Refine(Env):
         self.task: Task | None = None
         self.inputs: list[tuple] = []
         self.turns = 0
+        self.statement = ""  # the task, as reset() shows it
         self.attempts: list[str] = []  # with summaries: each earlier attempt, as shown
 
     def reset(self, seed: int) -> str:

@@ -219,6 +219,13 @@ def test_bad_data_lines_name_file_and_line(base, capsys, tmp_path):
         [*argv, f"data.train_files={ok}", "sft.enabled=true", "sft.train_files=s.jsonl"],
         r"sft\.train_files: SFT trace file not found: s\.jsonl",
     )
+    cold = str(tmp_path / "retool_coldstart.jsonl")  # a recipe's file: the command that makes it
+    fails(
+        capsys,
+        [*argv, f"data.train_files={ok}", "sft.enabled=true", f"sft.train_files={cold}"],
+        rf"sft\.train_files: {cold} is missing: ReTool's code-integrated cold-start traces; run "
+        rf"`jaxrl-tools prepare retool-coldstart --input <text reasoning traces> --output {cold}",
+    )
 
 
 def test_ground_truths_the_rewards_cannot_read_fail_at_check(base, capsys, tmp_path):

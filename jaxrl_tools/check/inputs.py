@@ -105,10 +105,10 @@ def check_tokenizer(cfg: RunConfig) -> str:
 # -------------------------------------------------------------------------------------- data
 
 
-def _missing(field: str, path: str) -> ConfigError:
+def _missing(field: str, path: str, what: str = "data file") -> ConfigError:
     """A recipe's file that is not there: what it is and the `prepare` command that makes it."""
     hint = prepare.missing_hint(path)
-    return ConfigError(f"{field}: {hint}" if hint else f"{field}: data file not found: {path}")
+    return ConfigError(f"{field}: {hint}" if hint else f"{field}: {what} not found: {path}")
 
 
 def read_split(cfg: RunConfig, split: str) -> Sequence[dict]:
@@ -190,7 +190,7 @@ def check_sft(cfg: RunConfig) -> int:
     if s.train_files:
         for path in s.train_files:
             if not Path(path).is_file():
-                raise _missing("sft.train_files", path)
+                raise _missing("sft.train_files", path, "SFT trace file")
         try:  # counted, not rendered (prompt and response rows meet the tokenizer in the run)
             n = len(data.load_sft_traces(s.train_files, render=lambda row: []))
         except data.DataError as e:

@@ -28,9 +28,12 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 from jaxrl_tools.data import DataError
+from jaxrl_tools.datasets.prepare import read_rows, sha256, write_records
 from jaxrl_tools.rewards.answers import last_boxed, math_equal
+from jaxrl_tools.tools import PythonTool, get_parser
 
 REWRITE_PROMPT = """\
 Rewrite the solution below so that its computations are done by Python code.
@@ -128,8 +131,6 @@ async def build(
       rewrite: sync (problem, solution) -> the rewriter's trace; raises on a failed request.
       tool: a session-mode `PythonTool` (its sandbox runs every block).
     """
-    from jaxrl_tools.tools import get_parser  # noqa: PLC0415 - tools import datasets' users
-
     parser = get_parser("retool")
     gate = asyncio.Semaphore(concurrency)
     counts: Counter = Counter()
@@ -172,11 +173,6 @@ async def build(
 
 def run(args) -> int:
     """`jaxrl-tools prepare retool-coldstart`: builds, writes, prints the counts."""
-    from pathlib import Path  # noqa: PLC0415
-
-    from jaxrl_tools.datasets.prepare import read_rows, sha256, write_records  # noqa: PLC0415
-    from jaxrl_tools.tools import PythonTool  # noqa: PLC0415
-
     if not args.endpoint or not args.model:
         raise DataError("retool-coldstart needs --endpoint (an OpenAI-compatible /v1) and --model")
     api_key = os.environ.get(args.api_key_env) if args.api_key_env else None

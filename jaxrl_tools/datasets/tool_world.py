@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
+from jaxrl_tools.tools import FunctionTool
+
 _TEMPERATURE_C = {"Velmora": 14, "Quillan": 21, "Dressik": 3, "Ormund": 27, "Tavira": 9}
 _PER_USD = {"USD": 1.0, "EUR": 0.8, "GBP": 0.75, "NOK": 10.0}  # units of a currency per dollar
 _PRICE_USD = {"KRNL": 40.0, "VOLT": 125.0, "BRYX": 8.0, "ZANE": 64.0}
@@ -202,8 +204,6 @@ def write_dataset(
 
 def function_signatures(functions: tuple[Callable, ...] = FUNCTIONS) -> str:
     """The functions as the ARTIST recipe's prompt lists them: one JSON declaration a line."""
-    from jaxrl_tools.tools import FunctionTool  # noqa: PLC0415 - tools import this module's users
-
     return "\n".join(json.dumps(FunctionTool(fn).schema()["function"]) for fn in functions)
 
 

@@ -240,6 +240,25 @@ class VerifiersSource(Source):
         return "sft.enabled=true with data.verifiers needs sft.train_files (trace files)"
 
 
+def _response_renderer(cfg: RunConfig, tokenizer) -> Callable[[dict], list]:
+    """How a {"prompt", "response"} SFT row becomes segments: the run's chat template, the
+    protocol's inline observations left out of the loss. A chat protocol's observations are
+    turns of their own, which one response string cannot hold: such rows are refused."""
+    protocol = cfg.rollout.protocol
+    parser = None if protocol == "none" else get_parser(protocol)
+    if parser is not None and getattr(parser, "chat_role", None):
+
+        def refuse(row: dict) -> list:
+            raise data.DataError(
+                f"a prompt and response trace needs an inline protocol (rollout.protocol "
+                f"{protocol!r} answers calls in turns of their own): give segments instead"
+            )
+
+        return refuse
+    pattern = None if parser is None else prompts.observation_pattern(parser.format_observation)
+    return lambda row: prompts.trace_segments(tokenizer, row, cfg.data.system_prompt, pattern)
+
+
 # ------------------------------------------------------------------------------ the run's use
 
 
@@ -319,13 +338,9 @@ def sft_traces(cfg: RunConfig, tokenizer) -> list[list[list[Any]]]:
     source generates (a ConfigError when it cannot: `Source.trace_error`)."""
     s = cfg.sft
     if s.train_files:
-        protocol = cfg.rollout.protocol
-        markup = None if protocol == "none" else get_parser(protocol).format_observation
-        pattern = None if markup is None else prompts.observation_pattern(markup)
-        render = lambda row: prompts.trace_segments(  # noqa: E731
-            tokenizer, row, cfg.data.system_prompt, pattern
-        )
-        return data.load_sft_traces(s.train_files, render)[: s.max_traces]
+        return data.load_sft_traces(s.train_files, _response_renderer(cfg, tokenizer))[
+            : s.max_traces
+        ]
     src = source(cfg)
     error = src.trace_error(cfg)
     if error is not None:

@@ -129,3 +129,18 @@ def test_cold_start_traces_train_the_model_text_not_the_outputs(tmp_path):
     )  # fmt: skip
     with pytest.raises(Exception, match="needs a tokenizer"):
         load_sft_traces([path])
+
+
+def test_response_traces_need_an_inline_protocol(tmp_path):
+    from fakes import tiny_run_config
+
+    from jaxrl_tools import records
+    from jaxrl_tools.config_loader import config_from_dict
+    from jaxrl_tools.data import DataError
+
+    path = tmp_path / "coldstart.jsonl"
+    path.write_text(json.dumps({"prompt": "q", "response": "a"}) + "\n")
+    raw = tiny_run_config(tmp_path, "chat", "math", rollout={"protocol": "qwen"})
+    cfg = config_from_dict({**raw, "sft": {"enabled": True, "train_files": [str(path)]}})
+    with pytest.raises(DataError, match=r"needs an inline protocol \(rollout\.protocol 'qwen'"):
+        records.sft_traces(cfg, None)

@@ -302,15 +302,15 @@ def train_loader(cfg: RunConfig, tokenizer, tools_schema=None) -> data.PromptLoa
     `data.curriculum`, in its order instead). In a multi-process job each process reads its
     slice of every batch; all see the batch."""
     fitted = fit_prompts(cfg, records(cfg, "train"), "train", tokenizer, tools_schema)
-    shard = dict(shard=(jax.process_index(), jax.process_count()), gather=sharding.agree)
-    if jax.process_count() == 1:
-        shard = {}
+    loader_kw: dict = {}
+    if jax.process_count() > 1:
+        loader_kw.update(shard=(jax.process_index(), jax.process_count()), gather=sharding.agree)
     if cfg.data.curriculum is not None:  # every epoch in the curriculum's order, not shuffled
         order = curation.curriculum_order(fitted, cfg.data.curriculum)
-        fitted, shard["shuffle"] = [fitted[i] for i in order], False
+        fitted, loader_kw["shuffle"] = [fitted[i] for i in order], False
     if cfg.data.train_weights is not None:
-        shard["mix"] = file_mix(fitted, cfg.data.train_files, cfg.data.train_weights)
-    return data.loader_from_config(cfg.data, "train", source=fitted, **shard)
+        loader_kw["mix"] = file_mix(fitted, cfg.data.train_files, cfg.data.train_weights)
+    return data.loader_from_config(cfg.data, "train", source=fitted, **loader_kw)
 
 
 def file_mix(recs: Sequence[dict], files: Sequence[str], weights: Sequence[float]) -> list:

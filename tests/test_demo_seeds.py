@@ -4,6 +4,7 @@ figure as a spread (per-seed change with its binomial standard error, mean and s
 import json
 import math
 
+import numpy as np
 import pytest
 
 from jaxrl_tools import cli, configs
@@ -16,7 +17,8 @@ def _run(before, after, n=100, baseline=None):
     run |= {"after": {"reward/accuracy": after, "num_problems": n}, "eval_desc": "greedy"}
     run |= {"reward_name": "math", "estimator": "grpo", "agent": None}
     if baseline is not None:
-        run["baseline"] = {"after": {"reward/accuracy": baseline}, "reward_name": "math"}
+        run["baseline"] = {"after": {"reward/accuracy": baseline, "num_problems": n}}
+        run["baseline"]["reward_name"] = "math"
         run["baseline"] |= {"agent": "m:tool_math_agent"}
     return run
 
@@ -34,8 +36,31 @@ def test_the_spread_is_each_seeds_change_with_its_error_and_the_mean_over_seeds(
     assert sd == pytest.approx(math.sqrt(sum((c - mean) ** 2 for c in changes) / 2))
     md = table["markdown"]
     assert "| seed | before RL | after RL (math) | after RL (math, agent tool_math_agent) |" in md
-    assert "| 0 | 2.0% | 58.0% | 57.0% | +56.0 +- 5.1 | 60 s |" in md
-    assert "| mean | 4.7 (sd 4.6) | 44.7 (sd 34.0) | 45.7 (sd 32.5) | +40.0 (sd 31.2) |" in md
+    assert "| 0 | 2.0% | 58.0% | 57.0% | +56.0 +- 5.1 | +1.0 +- 7.0 | 60 s |" in md
+    assert (
+        "| mean | 4.7 (sd 4.6) | 44.7 (sd 34.0) | 45.7 (sd 32.5) | +40.0 (sd 31.2) | "
+        "-1.0 (sd 2.0) |" in md
+    )
+    assert "binomial draws" in md
+
+
+def test_with_each_problems_figure_the_error_is_paired_over_the_problems():
+    """The same problems before and after: the sd of the per-problem changes / sqrt(n). Rooms
+    that move together make it smaller than the binomial error; the table says which it is."""
+    rng = np.random.default_rng(0)
+    hard = rng.random(128)  # each problem's difficulty, shared by both evaluations
+    before = np.clip(hard + rng.normal(0, 0.05, 128), 0, 1)
+    after = np.clip(before + 0.05 + rng.normal(0, 0.05, 128), 0, 1)
+    run = _run(before.mean(), after.mean(), n=128)
+    run["before"]["_per_problem"] = {"reward/accuracy": before.tolist()}
+    run["after"]["_per_problem"] = {"reward/accuracy": after.tolist()}
+    cfg = load_config(configs.path("grpo_tool_math"), [])
+    row = spread([0], [run], cfg)["rows"][0]
+    d = after - before
+    assert row["change_se"] == pytest.approx(d.std(ddof=1) / np.sqrt(128))
+    binomial = spread([0], [_run(before.mean(), after.mean(), n=128)], cfg)["rows"][0]
+    assert row["change_se"] < binomial["change_se"] / 3
+    assert "paired over the held-out problems" in spread([0], [run], cfg)["markdown"]
 
 
 def test_a_seed_is_every_seed_a_demo_draws_and_its_own_folders():

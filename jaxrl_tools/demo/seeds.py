@@ -5,8 +5,8 @@ Seed s is `trainer.seed=s model.tiny.seed=s data.shuffle_seed=s` (another initia
 other SFT traces and sampling, another order of the data; the held-out set is the same). Each
 seed writes its own report under `trainer.log_dir/seed<s>`; `seeds.md` and `seeds.json` in
 `trainer.log_dir` hold the table: every seed's figures before RL, after RL (and after the
-baseline's RL), the change with its standard error (held-out problems as binomial draws), and
-the mean and standard deviation over the seeds.
+baseline's RL), the change (and the lead over the baseline) with its standard error, paired over
+the held-out problems, and the mean and standard deviation over the seeds.
 """
 
 from __future__ import annotations
@@ -88,14 +88,15 @@ def spread(seeds: list[int], runs: list[dict], cfg: RunConfig) -> dict:
     rows = []
     for seed, run in zip(seeds, runs):
         before, after = run["before"][key], run["after"][key]
-        n_b, n_a = _draws(cfg, run["before"]), _draws(cfg, run["after"])
-        se = math.sqrt(before * (1 - before) / n_b + after * (1 - after) / n_a)
         row = {"seed": seed, "before": before, "after": after, "change": after - before}
-        row |= {"change_se": se, "wall_time_s": run["wall_time_s"]}
+        row["change_se"] = change_se(cfg, run["before"], run["after"], key)
+        row["wall_time_s"] = run["wall_time_s"]
         if has_base:
-            row["baseline"] = run["baseline"]["after"][key]
+            base = run["baseline"]["after"]
+            row |= {"baseline": base[key], "over_baseline": after - base[key]}
+            row["over_baseline_se"] = change_se(cfg, base, run["after"], key)
         rows.append(row)
-    cols = ["before", "after", "change"] + (["baseline"] if has_base else [])
+    cols = ["before", "after", "change"] + (["baseline", "over_baseline"] if has_base else [])
     stats = {c: _mean_sd([r[c] for r in rows]) for c in cols}
     by = "estimator" if key == "env/success_rate" else "reward_name"
     base_label = f" | after RL ({report.label(runs[0]['baseline'], by)})" if has_base else ""
@@ -103,26 +104,49 @@ def spread(seeds: list[int], runs: list[dict], cfg: RunConfig) -> dict:
         f"# jaxrl-tools demo over seeds {', '.join(map(str, seeds))}: {cfg.trainer.run_name}",
         "",
         f"Held-out {name} ({runs[0]['eval_desc']}); change = after - before, +- its standard "
-        "error (held-out answers as binomial draws).",
+        f"error ({_se_desc(runs[0], key)}).",
         "",
         f"| seed | before RL | after RL ({report.label(runs[0], by)}){base_label} | change | "
-        "wall time |",
-        "| --- | --- | --- |" + (" --- |" if has_base else "") + " --- | --- |",
+        + ("over the baseline | " if has_base else "")
+        + "wall time |",
+        "| --- | --- | --- |" + (" --- | --- |" if has_base else "") + " --- | --- |",
     ]
+    signed = lambda v, se: f"{v * 100:+.1f} +- {se * 100:.1f}"  # noqa: E731
     for r in rows:
         base = f" | {r['baseline'] * 100:.1f}%" if has_base else ""
+        over = f" | {signed(r['over_baseline'], r['over_baseline_se'])}" if has_base else ""
         lines.append(
             f"| {r['seed']} | {r['before'] * 100:.1f}% | {r['after'] * 100:.1f}%{base} | "
-            f"{r['change'] * 100:+.1f} +- {r['change_se'] * 100:.1f} | {r['wall_time_s']:.0f} s |"
+            f"{signed(r['change'], r['change_se'])}{over} | {r['wall_time_s']:.0f} s |"
         )
     pct = lambda c: f"{stats[c][0] * 100:.1f} (sd {stats[c][1] * 100:.1f})"  # noqa: E731
+    mean = lambda c: f"{stats[c][0] * 100:+.1f} (sd {stats[c][1] * 100:.1f})"  # noqa: E731
     base = f" | {pct('baseline')}" if has_base else ""
+    over = f" | {mean('over_baseline')}" if has_base else ""
     times = [r["wall_time_s"] for r in rows]
     lines.append(
-        f"| mean | {pct('before')} | {pct('after')}{base} | {stats['change'][0] * 100:+.1f} "
-        f"(sd {stats['change'][1] * 100:.1f}) | {min(times):.0f}-{max(times):.0f} s |"
+        f"| mean | {pct('before')} | {pct('after')}{base} | {mean('change')}{over} | "
+        f"{min(times):.0f}-{max(times):.0f} s |"
     )
     return {"metric": key, "rows": rows, "mean_sd": stats, "markdown": "\n".join(lines) + "\n"}
+
+
+def _se_desc(run: dict, key: str) -> str:
+    paired = all(key in m.get("_per_problem", {}) for m in (run["before"], run["after"]))
+    return "paired over the held-out problems" if paired else "held-out answers as binomial draws"
+
+
+def change_se(cfg: RunConfig, first: dict, second: dict, key: str) -> float:
+    """The standard error of the change in `key` from evaluation `first` to `second`. Paired
+    when both kept each problem's figure (the same problems: the sd of the per-problem changes
+    over sqrt(problems), which also counts a problem's samples as the correlated draws they
+    are); else the two rates as independent binomial draws."""
+    pf, ps = (m.get("_per_problem", {}).get(key) for m in (first, second))
+    if pf and ps and len(pf) == len(ps) > 1:
+        d = [y - x for x, y in zip(pf, ps)]
+        return _mean_sd(d)[1] / math.sqrt(len(d))
+    n_f, n_s = _draws(cfg, first), _draws(cfg, second)
+    return math.sqrt(first[key] * (1 - first[key]) / n_f + second[key] * (1 - second[key]) / n_s)
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:

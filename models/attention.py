@@ -4,12 +4,14 @@ Every implementation computes the same masked, grouped-query attention:
 
   out[b, t, h] = softmax_s(q[b, t, h] . k[b, s, h // G] / sqrt(Dh) over allowed s) @ v[b, s, h // G]
   allowed(b, t, s) = kv_valid[b, s] and s <= q_pos[b, t] (and q_pos[b, t] - s < window)
-                     (and segment[b, t] == segment[b, s] for packed rows)
+                     (and segment[b, s] in (segment[b, t], prefix[b, t]) for packed rows)
 
 `q_pos[b, t]` is the key index query t sits at: `t` in a training forward (causal), the absolute
 position in a decode step over a cache row. `kv_valid` marks real keys (padding is False).
 `segment` (optional, self-attention only) numbers the sequences packed into one row: a token sees
-only the earlier tokens of its own sequence.
+only the earlier tokens of its own sequence. `prefix` (optional, with `segment`) names for each
+token one more segment it sees: the context its sequence shares with the other samples of its
+prompt, laid out once before them (`train.packing.plan_shared_packing`); 0 for none.
 
 Implementations (`impl`):
   "dense"    the [B, H, T, S] float32 score matrix, as the model has always computed it; the
@@ -20,13 +22,14 @@ Implementations (`impl`):
   "cudnn"    `jax.nn.dot_product_attention(implementation="cudnn")`: cuDNN flash attention on
              NVIDIA GPUs. It takes causal + right padding (per-row lengths), bf16/fp16, Dh <= 128;
              only used when the caller passes `kv_lengths` (right-padded rows) and T == S; no
-             packed rows (jax's API takes no segment ids).
+             packed rows (jax's API takes no segment ids), so no shared prefixes.
   "pallas"   `jax.experimental.pallas.ops.tpu.flash_attention` on TPU, causal, padding and
              packed sequences by segment ids, kv heads repeated for GQA; no sliding window.
              The kernel masks causally by index (query t sees keys s <= t), so it takes only
              self-attention (T == S) with q_pos[b, t] == t, the training forward: never the
              queries of a KV-cache read (`kv_heads_first`), which sit at absolute positions.
-             Its sequence length must be a multiple of 128 (the kernel's blocks). On a mesh
+             Its sequence length must be a multiple of 128 (the kernel's blocks). Its segments
+             see only themselves: no shared prefixes ("auto" takes the XLA paths). On a mesh
              (`sharding.use_mesh`) it runs inside a `shard_map`, rows over the batch axes and
              heads over "tensor": the TPU compiler cannot partition a Mosaic kernel. Tested on
              CPU in Pallas TPU interpret mode (`pltpu.force_tpu_interpret_mode()`: the same
@@ -73,6 +76,7 @@ def select_impl(
     window: int | None = None,
     kv_cache: bool = False,
     platform: str | None = None,
+    shared_prefix: bool = False,
 ) -> str:
     """The implementation "auto" resolves to for these shapes on `platform` ("gpu", "tpu",
     "cpu"; None: `compute_platform()`, where the traced computation will run).
@@ -81,10 +85,17 @@ def select_impl(
     given, not packed, Dh <= 128 and a multiple of 8). TPU: the Pallas flash kernel for causal
     self-attention (T == S, not over a KV cache: `kv_cache`, keys read in the cache's layout,
     whose queries sit at absolute positions) when T is a multiple of 128, Dh of 128 and there is
-    no sliding window. Otherwise dense while T * S <= DENSE_MAX_SCORES, else chunked.
+    no sliding window. Otherwise dense while T * S <= DENSE_MAX_SCORES, else chunked; always
+    one of those two for rows with a `shared_prefix` (neither kernel takes that mask).
     """
     if impl not in IMPLS:
         raise ValueError(f"attention implementation {impl!r} is not one of {list(IMPLS)}")
+    if shared_prefix and impl in ("cudnn", "pallas"):
+        raise ValueError(
+            f"attention impl {impl!r} takes no shared prompt prefixes (its kernel masks by "
+            "segment equality only); use 'auto', 'dense' or 'chunked', or optim.share_prefix: "
+            "false"
+        )
     if impl == "cudnn" and packed:
         raise ValueError(
             "attention impl 'cudnn' takes no packed rows (jax's API has no segment ids); use "
@@ -94,11 +105,13 @@ def select_impl(
         return impl
     backend = platform or compute_platform()
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    cudnn_ok = has_lengths and not packed and T == S and Dh <= 128 and Dh % 8 == 0
+    cudnn_ok = (
+        has_lengths and not packed and not shared_prefix and T == S and Dh <= 128 and Dh % 8 == 0
+    )
     if backend == "gpu" and half and cudnn_ok:
         return "cudnn"
     pallas_ok = not kv_cache and window is None and T == S and T % 128 == 0 and Dh % 128 == 0
-    if backend == "tpu" and pallas_ok:
+    if backend == "tpu" and pallas_ok and not shared_prefix:
         return "pallas"
     return "dense" if T * S <= DENSE_MAX_SCORES else "chunked"
 
@@ -120,6 +133,7 @@ def attention(
     *,
     kv_lengths_B: jax.Array | None = None,
     segment_ids_BT: jax.Array | None = None,
+    prefix_ids_BT: jax.Array | None = None,
     impl: str = "auto",
     window: int | None = None,
     chunk: int = CHUNK,
@@ -136,6 +150,8 @@ def attention(
         (kv_valid[b] = [s < kv_lengths[b]], q_pos[b, t] = t): lets "auto" choose cuDNN.
       segment_ids_BT: int, packed self-attention (T == S): a query attends only to keys of the
         same segment id (0 on padding); None: one sequence per row.
+      prefix_ids_BT: int, with `segment_ids_BT`: the one other segment each query also sees
+        (its shared prompt prefix; 0: none).
       impl: one of IMPLS.
       window: sliding window (a query sees the `window` keys ending at its own position).
       chunk: query/key chunk of the chunked path.
@@ -153,6 +169,9 @@ def attention(
     packed = segment_ids_BT is not None
     if packed and T != S:
         raise ValueError(f"attention: segment ids need self-attention (T == S), got {T} vs {S}")
+    shared = prefix_ids_BT is not None
+    if shared and not packed:
+        raise ValueError("attention: prefix ids need segment ids")
     impl = select_impl(
         impl,
         T=T,
@@ -163,6 +182,7 @@ def attention(
         packed=packed,
         window=window,
         kv_cache=kv_heads_first,
+        shared_prefix=shared,
     )
     if impl == "pallas" and (kv_heads_first or T != S):
         raise ValueError(
@@ -171,14 +191,15 @@ def attention(
             "use 'auto', 'dense' or 'chunked'"
         )
     seg = None if not packed else segment_ids_BT.astype(jnp.int32)
+    pre = None if not shared else prefix_ids_BT.astype(jnp.int32)
     if kv_heads_first:
         if impl == "dense" and not packed:
             return _dense_heads_first(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window)
         k_BSKD, v_BSKD = jnp.swapaxes(k_BSKD, 1, 2), jnp.swapaxes(v_BSKD, 1, 2)
     if impl == "dense":
-        return _dense(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window, seg)
+        return _dense(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window, seg, pre)
     if impl == "chunked":
-        return _chunked(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window, chunk, seg)
+        return _chunked(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window, chunk, seg, pre)
     if impl == "cudnn":
         if kv_lengths_B is None or T != S:
             raise ValueError("attention impl 'cudnn' needs right-padded self-attention lengths")
@@ -197,19 +218,25 @@ def attention(
     return _pallas_tpu(q_BTHD, k_BSKD, v_BSKD, seg, window)
 
 
-def _allowed(q_pos_BT, kv_pos_S, kv_valid_BS, window, q_seg_BT=None, kv_seg_BS=None):
+def _allowed(
+    q_pos_BT, kv_pos_S, kv_valid_BS, window, q_seg_BT=None, kv_seg_BS=None, q_prefix_BT=None
+):
     ok = (kv_pos_S[None, None, :] <= q_pos_BT[:, :, None]) & kv_valid_BS[:, None, :]
     if window is not None:
         ok &= q_pos_BT[:, :, None] - kv_pos_S[None, None, :] < window
     if q_seg_BT is not None:
-        ok &= q_seg_BT[:, :, None] == kv_seg_BS[:, None, :]
+        same = q_seg_BT[:, :, None] == kv_seg_BS[:, None, :]
+        if q_prefix_BT is not None:  # (padding's segment 0 is not a valid key)
+            same |= q_prefix_BT[:, :, None] == kv_seg_BS[:, None, :]
+        ok &= same
     return ok
 
 
-def _dense(q, k, v, q_pos_BT, kv_valid_BS, window, seg_BT=None):
+def _dense(q, k, v, q_pos_BT, kv_valid_BS, window, seg_BT=None, prefix_BT=None):
     B, T, H, Dh = q.shape
     K = k.shape[2]
-    mask_BTS = _allowed(q_pos_BT, jnp.arange(k.shape[1]), kv_valid_BS, window, seg_BT, seg_BT)
+    S = jnp.arange(k.shape[1])
+    mask_BTS = _allowed(q_pos_BT, S, kv_valid_BS, window, seg_BT, seg_BT, prefix_BT)
     q = q.reshape(B, T, K, H // K, Dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (Dh**-0.5)
@@ -243,7 +270,7 @@ def _pad_axis(x, axis, size, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _chunked(q, k, v, q_pos_BT, kv_valid_BS, window, chunk, seg_BT=None):
+def _chunked(q, k, v, q_pos_BT, kv_valid_BS, window, chunk, seg_BT=None, prefix_BT=None):
     B, T, H, Dh = q.shape
     S, K = k.shape[1], k.shape[2]
     G = H // K
@@ -259,18 +286,21 @@ def _chunked(q, k, v, q_pos_BT, kv_valid_BS, window, chunk, seg_BT=None):
     # Without packing every (query, key) pair is of the same segment: all zeros.
     seg_BT = jnp.zeros((B, T), jnp.int32) if seg_BT is None else seg_BT
     q_seg = _pad_axis(seg_BT, 1, nq * qc).reshape(B, nq, qc)
+    # Without shared prefixes a query's prefix is its own segment (the same mask).
+    prefix_BT = seg_BT if prefix_BT is None else prefix_BT
+    q_pre = _pad_axis(prefix_BT, 1, nq * qc).reshape(B, nq, qc)
     kv_seg = _pad_axis(seg_BT, 1, nk * kc).reshape(B, nk, kc)
     scale = Dh**-0.5
     kv_xs = (*(x.swapaxes(0, 1) for x in (k, v, valid, kv_seg)), kv_pos)
 
     @jax.checkpoint
-    def q_block(q_bqkgd, qp_bq, qs_bq):
+    def q_block(q_bqkgd, qp_bq, qs_bq, qpre_bq):
         # Only the running max / sum / output of the online softmax are carried; the backward
         # pass recomputes each block's scores (checkpoint) instead of storing them.
         @jax.checkpoint
         def kv_block(carry, xs):
             k_c, v_c, valid_c, seg_c, pos_c = xs
-            ok_BTS = _allowed(qp_bq, pos_c, valid_c, window, qs_bq, seg_c)
+            ok_BTS = _allowed(qp_bq, pos_c, valid_c, window, qs_bq, seg_c, qpre_bq)
 
             def update(carry):
                 m, denom, acc = carry
@@ -301,7 +331,7 @@ def _chunked(q, k, v, q_pos_BT, kv_valid_BS, window, chunk, seg_BT=None):
     def q_step(_, xs):
         return None, q_block(*xs)
 
-    xs = (q.swapaxes(0, 1), q_pos.swapaxes(0, 1), q_seg.swapaxes(0, 1))
+    xs = (q.swapaxes(0, 1), q_pos.swapaxes(0, 1), q_seg.swapaxes(0, 1), q_pre.swapaxes(0, 1))
     _, out = jax.lax.scan(q_step, None, xs)
     # out: [nq, B, qc, K, G, Dh] -> [B, T, H, Dh]
     return out.swapaxes(0, 1).reshape(B, nq * qc, H, Dh)[:, :T]

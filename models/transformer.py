@@ -196,9 +196,10 @@ def _rotate(x_BTNK, cos_BTK, sin_BTK):
 
 
 class Attention(nn.Module):
-    """Self-attention; `mask` = (q_pos_BT, kv_valid_BS, kv_lengths_B, segment_ids_BT), the last
-    two optional (None), see `models.attention`. With a cache, the keys attended are the first
-    kv_valid_BS.shape[1] positions of each row (the live part), not the whole row."""
+    """Self-attention; `mask` = (q_pos_BT, kv_valid_BS, kv_lengths_B, segment_ids_BT,
+    prefix_ids_BT), the last three optional (None), see `models.attention`. With a cache, the
+    keys attended are the first kv_valid_BS.shape[1] positions of each row (the live part), not
+    the whole row."""
 
     config: ModelConfig
     param_dtype: Any
@@ -244,7 +245,7 @@ class Attention(nn.Module):
             k = from_stored(ck[layer_idx, :, :, :live]).astype(q.dtype)  # [B, K, live, Dh]
             v = from_stored(cv[layer_idx, :, :, :live]).astype(q.dtype)
 
-        q_pos_BT, kv_valid_BS, kv_lengths_B, segment_ids_BT = mask
+        q_pos_BT, kv_valid_BS, kv_lengths_B, segment_ids_BT, prefix_ids_BT = mask
         out = attn_lib.attention(
             q,
             k,
@@ -253,6 +254,7 @@ class Attention(nn.Module):
             kv_valid_BS,
             kv_lengths_B=kv_lengths_B,
             segment_ids_BT=segment_ids_BT,
+            prefix_ids_BT=prefix_ids_BT,
             impl=self.impl,
             kv_heads_first=cache is not None,
         )
@@ -368,14 +370,18 @@ class Decoder(nn.Module):
         return h
 
 
-def _self_mask(attention_mask_BT, right_padded: bool = False, packed: bool = False):
+def _self_mask(
+    attention_mask_BT, right_padded: bool = False, packed: bool = False, prefix_ids_BT=None
+):
     """The attention mask spec of a causal forward over (padded) rows: query t sees key s <= t
-    that is not padding (and, `packed`, of the same segment: the mask's value)."""
+    that is not padding (and, `packed`, of the same segment, the mask's value, or of its
+    shared prefix's, `prefix_ids_BT`)."""
     B, T = attention_mask_BT.shape
     valid = attention_mask_BT > 0
     lengths = jnp.sum(valid, axis=-1, dtype=jnp.int32) if right_padded and not packed else None
     segments = attention_mask_BT.astype(jnp.int32) if packed else None
-    return (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), valid, lengths, segments)
+    q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    return (q_pos, valid, lengths, segments, prefix_ids_BT)
 
 
 def _boxed_shapes(config: ModelConfig, dtype) -> Params:
@@ -502,6 +508,7 @@ def hidden_states(
     attention: str = "auto",
     right_padded: bool = False,
     packed: bool = False,
+    prefix_ids=None,
 ) -> jax.Array:
     """Hidden states after the final norm, h_BTD in the compute dtype (= the params' dtype).
 
@@ -521,6 +528,9 @@ def hidden_states(
       right_padded: every row's real tokens come first (lets "auto" use cuDNN on GPU).
       packed: rows hold several sequences: `attention_mask` numbers them (1, 2, ...; 0 on
         padding) and a token attends only within its own; `positions` restart per sequence.
+      prefix_ids: [B, T], packed rows whose samples share their prompt: the segment each token
+        also attends to (the prompt laid out once, `train.packing.plan_shared_packing`), 0 for
+        none. The attention then runs on the XLA paths (`attention.select_impl`).
 
     Returns:
       h_BTD with logits = h_BTD @ unembed(config, params).
@@ -532,7 +542,14 @@ def hidden_states(
         if packed:
             raise ValueError("hidden_states: packed rows need their positions (0 at each start)")
         positions = default_positions(attention_mask)
-    mask = _self_mask(attention_mask, right_padded, packed)
+    if prefix_ids is not None:
+        if not packed:
+            raise ValueError("hidden_states: prefix_ids need packed rows")
+        attention = attn_lib.select_impl(
+            attention, T=T, S=T, Dh=config.head_dim, dtype=jnp.float32, has_lengths=False,
+            packed=True, shared_prefix=True,
+        )  # fmt: skip
+    mask = _self_mask(attention_mask, right_padded, packed, prefix_ids)
     h, _ = _apply(config, params, input_ids_BT, positions, mask, remat=remat, attention=attention)
     return h
 
@@ -653,7 +670,7 @@ def forward_cached(
     write_pos = jnp.where(valid_BT > 0, positions_BT, S)  # S is out of range: dropped
     live = S if attend_len is None else min(int(attend_len), S)
     # Every written position of the live prefix is a real token: only the causal bound masks.
-    mask = (positions_BT, jnp.ones((B, live), bool), None, None)
+    mask = (positions_BT, jnp.ones((B, live), bool), None, None, None)
     h, (k, v) = _apply(
         config,
         params,

@@ -78,11 +78,18 @@ class RunConfig:
                 f"must be > 0 for algorithm.adv_estimator={est!r}: greedy sampling makes the "
                 "responses of a group identical and every advantage zero",
             )
+        o = self.optim
         _check(
-            self.model.attention != "cudnn" or not (self.optim.pack or self.sft.pack),
+            self.model.attention != "cudnn" or not (o.pack or o.share_prefix or self.sft.pack),
             "model.attention",
             "'cudnn' takes no packed rows (jax's API has no segment ids): use 'auto' or "
-            "'chunked', or set optim.pack and sft.pack to false",
+            "'chunked', or set optim.pack, optim.share_prefix and sft.pack to false",
+        )
+        _check(
+            self.model.attention != "pallas" or not o.share_prefix,
+            "model.attention",
+            "'pallas' takes no shared prompt prefixes (its kernel masks by segment equality "
+            "only): use 'auto' (the XLA paths then) or set optim.share_prefix to false",
         )
         if self.tokenizer.path is None:
             _check(

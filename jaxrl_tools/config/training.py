@@ -169,6 +169,9 @@ class OptimSection:
     # Sequences back to back in the update's rows (train.packing): no compute on padding;
     # micro_batch_size then counts packed rows, and mini-batches are drawn from packed rows.
     pack: bool = False
+    # Packing that lays each group's shared prompt out once before its samples (each sample
+    # attends to it): the update computes the prompt once per group, not once per sample.
+    share_prefix: bool = False
 
     def __post_init__(self):
         _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")

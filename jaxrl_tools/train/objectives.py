@@ -4,7 +4,8 @@ Static settings come first and are bound with `functools.partial` by the trainer
 micro-batch dict with "tokens", "positions", "attention", "loss_mask", "advantages", "correct" and
 optional "old_logp" / "ref_logp" / "behaviour_logp" (actor), "old_values" / "returns" (critic).
 With `packed` (`train.packing`), rows hold several sequences, "attention" holds their segment ids
-and "correct" is per token; every per-sequence reduction then goes by segment.
+and "correct" is per token; every per-sequence reduction then goes by segment. With shared
+prompts (`optim.share_prefix`), "prefix" names the segment each token also attends to.
 Each loss is a micro-batch's *sum* divided by the whole mini-batch's denominator
 (`actor_denominator`), so accumulating micro-batches gives the full mini-batch gradient exactly.
 """
@@ -78,6 +79,7 @@ def sequence_logprobs(
         entropy_grad=entropy_grad,
         attention=attention,
         packed=packed,
+        prefix_ids=b.get("prefix"),
     )
 
 
@@ -197,6 +199,7 @@ def token_values(
         attention=attention,
         packed=packed,
         remat=remat,
+        prefix_ids=b.get("prefix"),
     )
 
 

@@ -10,6 +10,10 @@ reductions of the losses become per-segment ones (`algorithms.aggregate(segment_
 `Packing` records where each token went; `pack` and `unpack` move per-token arrays between the
 two layouts, on the host (NumPy) or inside a jitted function (jax arrays, with the index arrays
 passed in: `take_tokens`).
+
+With shared prompts (`plan_shared_packing`, `optim.share_prefix`), the samples of one prompt
+are laid out as that prompt once, then each sample's own tokens, each attending to the prompt
+and to itself: the update computes the prompt once per group instead of once per sample.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class Packing:
       src_PT: per packed token, its flat index in the padded batch (R * T on padding).
       dst_RT: per padded token, its flat index in the packed batch (P * T on padding).
       segments_PT: int32 segment ids: 1, 2, ... per packed row, 0 on padding.
+      prefix_PT: with shared prompts (`plan_shared_packing`), the segment of the prefix each
+        token also attends to (0: none); else None.
     """
 
     rows: int
@@ -44,6 +50,7 @@ class Packing:
     src_PT: np.ndarray
     dst_RT: np.ndarray
     segments_PT: np.ndarray
+    prefix_PT: np.ndarray | None = None
 
     def pack(self, x_RT, fill=0):
         """A per-token [R, T] array in the packed layout, [P, T] (`fill` on padding)."""
@@ -72,33 +79,106 @@ def plan_packing(lengths_R, width: int, *, multiple: int = 1) -> Packing:
     it) with all-padding rows.
     """
     lengths = np.asarray(lengths_R, np.int64)
-    R = len(lengths)
-    if multiple < 1:
-        raise ValueError(f"plan_packing: multiple must be >= 1, got {multiple}")
     if (lengths > width).any():
         r = int(np.argmax(lengths > width))
         raise ValueError(f"plan_packing: row {r} has {lengths[r]} tokens, more than width {width}")
-    order = sorted(np.flatnonzero(lengths > 0), key=lambda r: (-lengths[r], r))
-    used = np.zeros(max(1, R), np.int64)  # tokens placed in each packed row so far
+    units = [_Unit((r,), 0) for r in np.flatnonzero(lengths > 0)]
+    return _layout(units, lengths, width, multiple)
+
+
+def plan_shared_packing(tokens_RT, lengths_R, loss_mask_RT, *, multiple: int = 1) -> Packing:
+    """`plan_packing`, with the rows whose context is the same laid out as that context once,
+    then each row's own tokens (the samples of one prompt: G x (P + R) tokens become P + G x R).
+
+    A row's context is its tokens before its first loss token. Rows with the same context of
+    s >= 2 tokens share its first s - 1 (the prefix segment, `Packing.prefix_PT` on the tokens
+    that also attend to it); each keeps its context's last token, so the shift by one that turns
+    hidden states into next-token log-probs, and values, stays within the row's own segment.
+    A set of rows too long for one packed row is split, each part with its own copy of the
+    prefix. Every packed token still comes from one padded token (`src_PT`); every padded
+    token of a shared prefix maps to the one copy (`dst_RT`), and none is trained on.
+    """
+    tokens, mask = np.asarray(tokens_RT), np.asarray(loss_mask_RT)
+    lengths = np.asarray(lengths_R, np.int64)
+    R, width = tokens.shape
+    sets: dict[tuple, list[int]] = {}
+    contexts = {}
+    for r in np.flatnonzero(lengths > 0):
+        trained = np.flatnonzero(mask[r, : lengths[r]] > 0)
+        s = int(trained[0]) if len(trained) else int(lengths[r])
+        contexts[r] = s
+        key = ("context", s, tokens[r, :s].tobytes()) if 2 <= s < lengths[r] else ("row", r)
+        sets.setdefault(key, []).append(int(r))
+    units = []
+    for rows in sets.values():
+        s = contexts[rows[0]] if len(rows) > 1 else 0
+        head = max(s - 1, 0)
+        part, size = [], head
+        for r in rows:  # in row order, a new copy of the prefix when the packed row is full
+            if part and size + lengths[r] - head > width:
+                units.append(_Unit(tuple(part), s))
+                part, size = [], head
+            part.append(r)
+            size += lengths[r] - head
+        units.append(_Unit(tuple(part), s))
+    return _layout(units, lengths, width, multiple)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unit:
+    """Rows placed together: with `shared` = s > 0, their common first s - 1 tokens once (from
+    the first row) and then each row from token s - 1; with 0, one row as it is."""
+
+    rows: tuple[int, ...]
+    shared: int
+
+    def size(self, lengths) -> int:
+        head = max(self.shared - 1, 0)
+        return head + sum(int(lengths[r]) - head for r in self.rows)
+
+
+def _layout(units: list[_Unit], lengths, width: int, multiple: int) -> Packing:
+    """The units placed first-fit decreasing (largest first, each into the first packed row
+    with room), segments numbered 1, 2, ... per packed row in order of offset."""
+    if multiple < 1:
+        raise ValueError(f"plan_packing: multiple must be >= 1, got {multiple}")
+    R = len(lengths)
+    sizes = [u.size(lengths) for u in units]
+    order = sorted(range(len(units)), key=lambda i: (-sizes[i], units[i].rows[0]))
+    used = np.zeros(max(1, len(units)), np.int64)  # tokens placed in each packed row so far
     n_used = 0
-    row_of = np.full(R, -1, np.int64)
-    offset = np.zeros(R, np.int64)
-    for r in order:
-        n = lengths[r]
-        room = np.flatnonzero(used[:n_used] + n <= width)
+    row_of, offset = np.zeros(len(units), np.int64), np.zeros(len(units), np.int64)
+    for i in order:
+        room = np.flatnonzero(used[:n_used] + sizes[i] <= width)
         p = room[0] if len(room) else n_used
         n_used = max(n_used, p + 1)
-        row_of[r], offset[r] = p, used[p]
-        used[p] += n
+        row_of[i], offset[i] = p, used[p]
+        used[p] += sizes[i]
     P = max(multiple, -(-n_used // multiple) * multiple)
     src = np.full((P, width), R * width, np.int32)
     dst = np.full((R, width), P * width, np.int32)
     segments = np.zeros((P, width), np.int32)
+    prefix = np.zeros((P, width), np.int32)
     seg_count = np.zeros(P, np.int32)
-    for r in sorted(order, key=lambda r: (row_of[r], offset[r])):
-        p, o, n = row_of[r], offset[r], int(lengths[r])
-        seg_count[p] += 1
-        src[p, o : o + n] = r * width + np.arange(n)
-        dst[r, :n] = p * width + o + np.arange(n)
-        segments[p, o : o + n] = seg_count[p]
-    return Packing(R, P, width, src, dst, segments)
+    for i in sorted(order, key=lambda i: (row_of[i], offset[i])):
+        unit, p = units[i], row_of[i]
+        at = p * width + offset[i]  # the next free packed token, flat
+        head = max(unit.shared - 1, 0)
+        if head:  # the shared prefix: the first row's tokens, every row's map to them
+            seg_count[p] += 1
+            src.flat[at : at + head] = unit.rows[0] * width + np.arange(head)
+            segments.flat[at : at + head] = seg_count[p]
+            for r in unit.rows:
+                dst[r, :head] = at + np.arange(head)
+            at += head
+        for j, r in enumerate(unit.rows):
+            n = int(lengths[r]) - head
+            seg_count[p] += 1
+            src.flat[at : at + n] = r * width + head + np.arange(n)
+            dst[r, head : head + n] = at + np.arange(n)
+            segments.flat[at : at + n] = seg_count[p]
+            if head:  # the prefix's segment, j + 1 segments back
+                prefix.flat[at : at + n] = seg_count[p] - j - 1
+            at += n
+    shared = any(u.shared for u in units)
+    return Packing(R, P, width, src, dst, segments, prefix if shared else None)

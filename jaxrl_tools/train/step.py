@@ -54,7 +54,8 @@ class StepSettings:
 
     Attributes:
       model: the policy's architecture.
-      algorithm, optim, critic: the run's sections (`optim.pack` packs the rows).
+      algorithm, optim, critic: the run's sections (`optim.pack` packs the rows,
+        `optim.share_prefix` also lays each group's shared prompt out once).
       group_size: G samples per prompt (consecutive rows).
       temperature: the sampling temperature (log-probs are of the tempered policy).
       max_response_len: the constant of seq-mean-token-sum-norm aggregation.
@@ -90,7 +91,11 @@ class StepSettings:
 
     @property
     def pack(self) -> bool:
-        return self.optim.pack
+        return self.optim.pack or self.optim.share_prefix
+
+    @property
+    def share_prefix(self) -> bool:
+        return self.optim.share_prefix
 
     @property
     def uses_critic(self) -> bool:
@@ -165,7 +170,7 @@ def prepare_rows(settings: StepSettings, fns: StepFunctions, state: RLState, bat
     """The batch's rows with everything the losses read: old and reference log-probs, values,
     advantages and returns (steps 1 and 2 of the module docstring)."""
     rows = dict(batch["rows"])
-    seqs = {k: rows[k] for k in SEQUENCE_KEYS}
+    seqs = {k: rows[k] for k in SEQUENCE_KEYS if k in rows}
     if not settings.single_update:
         rows["old_logp"], _ = fns.logprobs(policy_params(settings, state), seqs)
     if settings.algorithm.kl_coef > 0:  # the reference: LoRA's base or the frozen copy

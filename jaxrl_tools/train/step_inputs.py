@@ -4,7 +4,9 @@ layout between them (`train.step`), built on the host with NumPy.
   rows       [P, T] "tokens", "positions", "attention", "loss_mask" (+ "behaviour_logp" with
              `algorithm.tis_cap`, "correct" with VAPO's NLL term): the padded rows, or with
              `optim.pack` the sequences packed back to back ("attention" then holds segment ids;
-             `train.packing`), P rounded up to mini-batches x micro-batches.
+             `train.packing`), P rounded up to mini-batches x micro-batches; with
+             `optim.share_prefix` each group's prompt once before its samples ("prefix": the
+             segment each token also attends to).
   estimator  what the advantage estimator reads: "scores_B", "row_mask_B" (1 on real rows: the
              count of real rows is data, not a shape) and the per-turn inputs or baseline the
              estimator declares; windowed episodes give one entry per turn ([E, S], with their
@@ -20,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxrl_tools import algorithms
-from jaxrl_tools.train.packing import plan_packing
+from jaxrl_tools.train.packing import plan_packing, plan_shared_packing
 from jaxrl_tools.types import Batch
 
 f32 = np.float32
@@ -85,13 +87,20 @@ def step_inputs(batch: Batch, settings) -> tuple[dict, dict[str, float]]:
     correct_R = (batch.scores_R > 0).astype(f32) if a.nll_coef else None
     layout, metrics = {}, {}
     if settings.pack:
-        packing = plan_packing(
+        lengths, multiple = (
             np.sum(batch.attention_RT > 0, axis=1),
-            batch.tokens_RT.shape[1],
-            multiple=o.num_mini_batches * o.micro_batch_size,
+            o.num_mini_batches * o.micro_batch_size,
         )
+        if settings.share_prefix:
+            packing = plan_shared_packing(
+                batch.tokens_RT, lengths, batch.loss_mask_RT, multiple=multiple
+            )
+        else:
+            packing = plan_packing(lengths, batch.tokens_RT.shape[1], multiple=multiple)
         rows = {k: packing.pack(v) for k, v in rows.items()}
         rows["attention"] = packing.segments_PT
+        if packing.prefix_PT is not None:
+            rows["prefix"] = packing.prefix_PT
         if correct_R is not None:
             rows["correct"] = packing.pack_rows(correct_R)
         layout = {
@@ -103,6 +112,9 @@ def step_inputs(batch: Batch, settings) -> tuple[dict, dict[str, float]]:
             "packing/rows": float(packing.packed_rows),
             "packing/fill": packing.fill_fraction,
         }
+        if settings.share_prefix:  # the padded batch's tokens the shared prompts saved
+            placed = np.count_nonzero(packing.segments_PT)
+            metrics["packing/shared_frac"] = 1.0 - placed / max(1, int(lengths.sum()))
     elif correct_R is not None:
         rows["correct"] = correct_R
     if batch.turn_slot_R is not None:

@@ -27,7 +27,8 @@ from jaxrl_tools import models
 from jaxrl_tools.train import lora, objectives
 from jaxrl_tools.train.state import TrainState, make_optimizer, make_update
 
-SEQUENCE_KEYS = ("tokens", "positions", "attention", "loss_mask")
+# (+ "prefix": the shared prompt each token also attends to, `optim.share_prefix`)
+SEQUENCE_KEYS = ("tokens", "positions", "attention", "loss_mask", "prefix")
 _ACTOR_KEYS = (*SEQUENCE_KEYS, "advantages", "correct", "old_logp", "ref_logp", "behaviour_logp")
 _CRITIC_KEYS = (*SEQUENCE_KEYS, "old_values", "returns")
 # An update is finite when these of its metrics are (its params and moments then are too).

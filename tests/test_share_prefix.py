@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fakes import VOCAB, tiny_model_config
+from test_packing import CASES, _rl_config, _varied_trajectories
 
 from jaxrl_tools import algorithms, models, run
 from jaxrl_tools.config_loader import config_from_dict
@@ -16,7 +17,6 @@ from jaxrl_tools.train.batch import make_batch
 from jaxrl_tools.train.packing import plan_shared_packing, take_tokens
 from jaxrl_tools.train.step import StepSettings
 from jaxrl_tools.train.step_inputs import step_inputs
-from test_packing import CASES, _rl_config, _varied_trajectories
 
 PROMPTS = (7, 4, 1)  # three groups of 4; the last prompt is 1 token: nothing to share
 RESPONSES = ((9, 2, 14, 5), (11, 3, 6, 8), (4, 7, 2, 5))
@@ -57,9 +57,8 @@ def test_each_prompt_is_laid_out_once_and_every_token_round_trips():
         r = 4 * g + 1
         first = lay.dst_RT[r, p - 1]  # the sample's copy of the prompt's last token
         seg = lay.prefix_PT.flat[first]
-        shared = (lay.segments_PT == seg) & (np.arange(lay.width) < lay.width)
         row = first // lay.width
-        assert packed[row][shared[row]].tolist() == tokens[r, : p - 1].tolist()
+        assert packed[row][lay.segments_PT[row] == seg].tolist() == tokens[r, : p - 1].tolist()
         assert lay.pack(positions).flat[first] == p - 1
     assert (pre[lay.segments_PT == 0] == 0).all()
     # The loss tokens are placed once each: nothing trained is shared.
@@ -160,7 +159,6 @@ def test_loss_and_every_gradient_equal_the_padded_ones(tiny, case):
     model_cfg, params = tiny
     trajs = _varied_trajectories()
     records = [{"prompt": "q", "ground_truth": "7"}] * 2
-    rng = np.random.default_rng(3)
     out = {}
     for share in (False, True):
         cfg = _rl_config(False, LOSSES[case], share_prefix=share)
@@ -184,7 +182,6 @@ def test_loss_and_every_gradient_equal_the_padded_ones(tiny, case):
             model_cfg, pcfg, 1.0, False, cfg.algorithm.nll_coef, p, rows, denom, packed=packed
         )[0]
         out[share] = jax.value_and_grad(loss)(params)
-    del rng
     np.testing.assert_allclose(float(out[True][0]), float(out[False][0]), rtol=1e-5, atol=1e-6)
     jax.tree.map(
         lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5),

@@ -69,13 +69,16 @@ def test_each_prompt_is_laid_out_once_and_every_token_round_trips():
 
 
 def test_a_group_too_long_for_one_row_is_split_with_a_copy_of_its_prompt_each():
-    tokens, _, attention, mask = _groups(width=40)
-    lay = plan_shared_packing(tokens[:4, :40], attention[:4].sum(1), mask[:4, :40])
-    assert lay.packed_rows == 1  # exactly 40
-    narrow = plan_shared_packing(tokens[:4, :24], attention[:4].sum(1), mask[:4, :24])
+    tokens, _, attention, mask = _groups(width=24)
+    lengths = attention[:4].sum(1)
+    narrow = plan_shared_packing(tokens[:4], lengths, mask[:4])
     # 6 + 10 + 3 = 19, then 6 + 15 + 6 = 27 > 24: 6 + 15 = 21, then 6 + 6 = 12
     np.testing.assert_array_equal((narrow.segments_PT > 0).sum(1), [21, 19, 12])
-    np.testing.assert_array_equal(narrow.unpack(narrow.pack(tokens[:4, :24])), tokens[:4, :24])
+    np.testing.assert_array_equal(narrow.unpack(narrow.pack(tokens[:4])), tokens[:4])
+    wide = plan_shared_packing(tokens[:4], lengths, mask[:4], width=40)  # 6 + 34: one row
+    assert (wide.packed_rows, wide.width, wide.padded_width) == (1, 40, 24)
+    np.testing.assert_array_equal(wide.unpack(wide.pack(tokens[:4])), tokens[:4])
+    assert wide.pack_rows(np.arange(4)).shape == (1, 40)
 
 
 @pytest.fixture(scope="module")
@@ -198,33 +201,50 @@ def test_a_shared_prefix_update_equals_the_padded_update(case):
     trajs = _varied_trajectories()
     records = [{"prompt": "q", "ground_truth": "7"}] * 2
     params, metrics = {}, {}
-    for share in (False, True):
-        cfg = _rl_config(False, CASES[case], ppo_epochs=2, share_prefix=share)
+    wide = _rl_config(False).rollout
+    wide = wide.max_prompt_len + wide.max_response_len  # optim.pack_width's least
+    for layout, optim in (
+        ("padded", {}),
+        ("shared", {"share_prefix": True}),
+        ("shared, wide rows", {"share_prefix": True, "pack_width": wide}),
+    ):
+        cfg = _rl_config(False, CASES[case], ppo_epochs=2, **optim)
         model_cfg = tiny_model_config()
         trainer = run.make_trainer(cfg, model_cfg, models.init_params(model_cfg, jax.random.key(0)))
         batch = make_batch(
             records, trajs, run.make_reward(cfg), cfg.algorithm.filters, group_size=4,
             rows=trainer.rows, pad_id=0,
         )  # fmt: skip
-        metrics[share] = trainer.step(batch)
-        params[share] = trainer.params
+        metrics[layout] = trainer.step(batch)
+        params[layout] = trainer.params
         if trainer.critic_state is not None:
-            params[share] = (params[share], trainer.critic_state.params)
+            params[layout] = (params[layout], trainer.critic_state.params)
     # Two groups of 4, prompts of 4 and 7 tokens, 127 tokens in all. Neither group fits a row
-    # of 32 with its prompt once, so each is split in two, with a copy each: 2 x 3 + 2 x 6 saved.
-    assert metrics[True]["packing/shared_frac"] == pytest.approx((2 * 3 + 2 * 6) / 127)
+    # of 32 with its prompt once, so each is split in two, with a copy each: 2 x 3 + 2 x 6 saved;
+    # in wide rows each prompt is laid out once: 3 x 3 + 3 x 6.
+    assert metrics["shared"]["packing/shared_frac"] == pytest.approx((2 * 3 + 2 * 6) / 127)
+    assert metrics["shared, wide rows"]["packing/shared_frac"] == pytest.approx(27 / 127)
     # Two Adam updates at lr 1e-2: float32 rounding in a near-zero gradient moves one weight in
     # thousands by ~6e-6; a wrong mask moves most by ~1e-2.
-    jax.tree.map(
-        lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5),
-        params[False],
-        params[True],
-    )
+    for layout in ("shared", "shared, wide rows"):
+        jax.tree.map(
+            lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5),
+            params["padded"],
+            params[layout],
+        )
 
 
-def test_share_prefix_with_a_kernel_that_cannot_take_it_is_refused():
+def test_share_prefix_with_a_kernel_that_cannot_take_it_or_a_row_too_narrow_is_refused():
     cfg = {"tokenizer": {"path": "unused"}, "optim": {"share_prefix": True}}
     config_from_dict(cfg)
     for impl in ("cudnn", "pallas"):
         with pytest.raises(ValueError, match=f"model.attention.*'{impl}'"):
             config_from_dict({**cfg, "model": {"attention": impl}})
+    rollout = {"max_prompt_len": 64, "max_response_len": 64}
+    config_from_dict(
+        {**cfg, "rollout": rollout, "optim": {"share_prefix": True, "pack_width": 128}}
+    )
+    with pytest.raises(ValueError, match="optim.pack_width.*at least .* = 128"):
+        config_from_dict({**cfg, "rollout": rollout, "optim": {"pack": True, "pack_width": 100}})
+    with pytest.raises(ValueError, match="optim.pack_width.*set optim.pack or optim.share_prefix"):
+        config_from_dict({**cfg, "rollout": rollout, "optim": {"pack_width": 128}})

@@ -85,6 +85,12 @@ class RunConfig:
             "'cudnn' takes no packed rows (jax's API has no segment ids): use 'auto' or "
             "'chunked', or set optim.pack, optim.share_prefix and sft.pack to false",
         )
+        row = self.rollout.max_prompt_len + self.rollout.max_response_len
+        _check(
+            o.pack_width is None or o.pack_width >= row,
+            "optim.pack_width",
+            f"must hold a whole row: at least rollout.max_prompt_len + max_response_len = {row}",
+        )
         _check(
             self.model.attention != "pallas" or not o.share_prefix,
             "model.attention",

@@ -172,9 +172,18 @@ class OptimSection:
     # Packing that lays each group's shared prompt out once before its samples (each sample
     # attends to it): the update computes the prompt once per group, not once per sample.
     share_prefix: bool = False
+    # Tokens per packed row (null: the padded rows' width). A group shares its prompt whole
+    # only in a row that holds prompt + G x response tokens.
+    pack_width: int | None = None
 
     def __post_init__(self):
         _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        _check(self.pack_width is None or self.pack_width >= 1, "optim.pack_width", "must be >= 1")
+        _check(
+            self.pack_width is None or self.pack or self.share_prefix,
+            "optim.pack_width",
+            "is the width of packed rows: set optim.pack or optim.share_prefix too",
+        )
         _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
         _check_choice(self.schedule, "optim.schedule", SCHEDULES)
         _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")

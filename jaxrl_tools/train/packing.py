@@ -33,10 +33,12 @@ def take_tokens(x, index, fill=0):
 
 @dataclasses.dataclass(frozen=True)
 class Packing:
-    """Where every token of a [rows, width] padded batch lies in the [packed_rows, width] one.
+    """Where every token of a [rows, padded_width] padded batch lies in the [packed_rows, width]
+    one.
 
     Attributes:
-      rows, packed_rows, width: R, P and T.
+      rows, packed_rows, width: R, P and the packed rows' width W.
+      padded_width: T, the padded rows' width (W unless the packed rows are wider).
       src_PT: per packed token, its flat index in the padded batch (R * T on padding).
       dst_RT: per padded token, its flat index in the packed batch (P * T on padding).
       segments_PT: int32 segment ids: 1, 2, ... per packed row, 0 on padding.
@@ -47,6 +49,7 @@ class Packing:
     rows: int
     packed_rows: int
     width: int
+    padded_width: int
     src_PT: np.ndarray
     dst_RT: np.ndarray
     segments_PT: np.ndarray
@@ -63,7 +66,7 @@ class Packing:
     def pack_rows(self, x_R, fill=0):
         """A per-row [R] value, repeated over each of its tokens, in the packed layout [P, T]."""
         x_R = np.asarray(x_R)
-        return self.pack(np.repeat(x_R[:, None], self.width, axis=1), fill)
+        return self.pack(np.repeat(x_R[:, None], self.padded_width, axis=1), fill)
 
     @property
     def fill_fraction(self) -> float:
@@ -71,8 +74,11 @@ class Packing:
         return float(np.count_nonzero(self.segments_PT)) / max(1, self.segments_PT.size)
 
 
-def plan_packing(lengths_R, width: int, *, multiple: int = 1) -> Packing:
-    """Packs sequences of `lengths_R` tokens (row r's first lengths_R[r]) into rows of `width`.
+def plan_packing(
+    lengths_R, width: int, *, multiple: int = 1, padded_width: int | None = None
+) -> Packing:
+    """Packs sequences of `lengths_R` tokens (row r's first lengths_R[r]) of rows
+    `padded_width` wide (default `width`) into rows of `width`.
 
     First-fit decreasing: longest first, each into the first row with room. Rows of length 0 are
     left out. The packed row count is rounded up to `multiple` (micro-batches and devices split
@@ -83,10 +89,12 @@ def plan_packing(lengths_R, width: int, *, multiple: int = 1) -> Packing:
         r = int(np.argmax(lengths > width))
         raise ValueError(f"plan_packing: row {r} has {lengths[r]} tokens, more than width {width}")
     units = [_Unit((r,), 0) for r in np.flatnonzero(lengths > 0)]
-    return _layout(units, lengths, width, multiple)
+    return _layout(units, lengths, padded_width or width, width, multiple)
 
 
-def plan_shared_packing(tokens_RT, lengths_R, loss_mask_RT, *, multiple: int = 1) -> Packing:
+def plan_shared_packing(
+    tokens_RT, lengths_R, loss_mask_RT, *, width: int | None = None, multiple: int = 1
+) -> Packing:
     """`plan_packing`, with the rows whose context is the same laid out as that context once,
     then each row's own tokens (the samples of one prompt: G x (P + R) tokens become P + G x R).
 
@@ -97,10 +105,17 @@ def plan_shared_packing(tokens_RT, lengths_R, loss_mask_RT, *, multiple: int = 1
     A set of rows too long for one packed row is split, each part with its own copy of the
     prefix. Every packed token still comes from one padded token (`src_PT`); every padded
     token of a shared prefix maps to the one copy (`dst_RT`), and none is trained on.
+
+    `width`: the packed rows' (default the padded rows'). A group shares its prompt whole only
+    in a row that holds it: G samples of prompt P and responses R need P + G x R tokens.
     """
     tokens, mask = np.asarray(tokens_RT), np.asarray(loss_mask_RT)
     lengths = np.asarray(lengths_R, np.int64)
-    R, width = tokens.shape
+    R, padded_width = tokens.shape
+    width = width or padded_width
+    if (lengths > width).any():
+        r = int(np.argmax(lengths > width))
+        raise ValueError(f"plan_packing: row {r} has {lengths[r]} tokens, more than width {width}")
     sets: dict[tuple, list[int]] = {}
     contexts = {}
     for r in np.flatnonzero(lengths > 0):
@@ -121,7 +136,7 @@ def plan_shared_packing(tokens_RT, lengths_R, loss_mask_RT, *, multiple: int = 1
             part.append(r)
             size += lengths[r] - head
         units.append(_Unit(tuple(part), s))
-    return _layout(units, lengths, width, multiple)
+    return _layout(units, lengths, padded_width, width, multiple)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +152,7 @@ class _Unit:
         return head + sum(int(lengths[r]) - head for r in self.rows)
 
 
-def _layout(units: list[_Unit], lengths, width: int, multiple: int) -> Packing:
+def _layout(units: list[_Unit], lengths, T: int, width: int, multiple: int) -> Packing:
     """The units placed first-fit decreasing (largest first, each into the first packed row
     with room), segments numbered 1, 2, ... per packed row in order of offset."""
     if multiple < 1:
@@ -155,8 +170,8 @@ def _layout(units: list[_Unit], lengths, width: int, multiple: int) -> Packing:
         row_of[i], offset[i] = p, used[p]
         used[p] += sizes[i]
     P = max(multiple, -(-n_used // multiple) * multiple)
-    src = np.full((P, width), R * width, np.int32)
-    dst = np.full((R, width), P * width, np.int32)
+    src = np.full((P, width), R * T, np.int32)
+    dst = np.full((R, T), P * width, np.int32)
     segments = np.zeros((P, width), np.int32)
     prefix = np.zeros((P, width), np.int32)
     seg_count = np.zeros(P, np.int32)
@@ -166,7 +181,7 @@ def _layout(units: list[_Unit], lengths, width: int, multiple: int) -> Packing:
         head = max(unit.shared - 1, 0)
         if head:  # the shared prefix: the first row's tokens, every row's map to them
             seg_count[p] += 1
-            src.flat[at : at + head] = unit.rows[0] * width + np.arange(head)
+            src.flat[at : at + head] = unit.rows[0] * T + np.arange(head)
             segments.flat[at : at + head] = seg_count[p]
             for r in unit.rows:
                 dst[r, :head] = at + np.arange(head)
@@ -174,11 +189,11 @@ def _layout(units: list[_Unit], lengths, width: int, multiple: int) -> Packing:
         for j, r in enumerate(unit.rows):
             n = int(lengths[r]) - head
             seg_count[p] += 1
-            src.flat[at : at + n] = r * width + head + np.arange(n)
+            src.flat[at : at + n] = r * T + head + np.arange(n)
             dst[r, head : head + n] = at + np.arange(n)
             segments.flat[at : at + n] = seg_count[p]
             if head:  # the prefix's segment, j + 1 segments back
                 prefix.flat[at : at + n] = seg_count[p] - j - 1
             at += n
     shared = any(u.shared for u in units)
-    return Packing(R, P, width, src, dst, segments, prefix if shared else None)
+    return Packing(R, P, width, T, src, dst, segments, prefix if shared else None)

@@ -87,16 +87,16 @@ def step_inputs(batch: Batch, settings) -> tuple[dict, dict[str, float]]:
     correct_R = (batch.scores_R > 0).astype(f32) if a.nll_coef else None
     layout, metrics = {}, {}
     if settings.pack:
-        lengths, multiple = (
-            np.sum(batch.attention_RT > 0, axis=1),
-            o.num_mini_batches * o.micro_batch_size,
-        )
+        lengths = np.sum(batch.attention_RT > 0, axis=1)
+        multiple = o.num_mini_batches * o.micro_batch_size
+        T = batch.tokens_RT.shape[1]
+        width = o.pack_width or T
         if settings.share_prefix:
             packing = plan_shared_packing(
-                batch.tokens_RT, lengths, batch.loss_mask_RT, multiple=multiple
+                batch.tokens_RT, lengths, batch.loss_mask_RT, width=width, multiple=multiple
             )
         else:
-            packing = plan_packing(lengths, batch.tokens_RT.shape[1], multiple=multiple)
+            packing = plan_packing(lengths, width, multiple=multiple, padded_width=T)
         rows = {k: packing.pack(v) for k, v in rows.items()}
         rows["attention"] = packing.segments_PT
         if packing.prefix_PT is not None:

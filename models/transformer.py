@@ -530,7 +530,7 @@ def hidden_states(
         padding) and a token attends only within its own; `positions` restart per sequence.
       prefix_ids: [B, T], packed rows whose samples share their prompt: the segment each token
         also attends to (the prompt laid out once, `train.packing.plan_shared_packing`), 0 for
-        none. The attention then runs on the XLA paths (`attention.select_impl`).
+        none. The attention then takes the chunked path ("auto": `attention.select_impl`).
 
     Returns:
       h_BTD with logits = h_BTD @ unembed(config, params).

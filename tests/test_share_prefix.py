@@ -224,11 +224,12 @@ def test_a_shared_prefix_update_equals_the_padded_update(case):
     # in wide rows each prompt is laid out once: 3 x 3 + 3 x 6.
     assert metrics["shared"]["packing/shared_frac"] == pytest.approx((2 * 3 + 2 * 6) / 127)
     assert metrics["shared, wide rows"]["packing/shared_frac"] == pytest.approx(27 / 127)
-    # Two Adam updates at lr 1e-2: float32 rounding in a near-zero gradient moves one weight in
-    # thousands by ~6e-6; a wrong mask moves most by ~1e-2.
+    # Two Adam updates at lr 1e-2 (shared rows on the chunked path, padded ones dense): float32
+    # rounding in a near-zero gradient moves one weight in thousands by ~1e-5, as with packing;
+    # a wrong mask moves most by ~1e-2.
     for layout in ("shared", "shared, wide rows"):
         jax.tree.map(
-            lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5),
+            lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=5e-5),
             params["padded"],
             params[layout],
         )

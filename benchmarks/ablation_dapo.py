@@ -70,8 +70,8 @@ METHODS = {
         "critic.pretrain_steps=8",
     ],
 }
-# The published α (0.05) is for responses of thousands of tokens; at the demo's ~35 it gives
-# λ_policy ~0.4, and the reward reaches only the last few tokens. α 1 gives ~0.97.
+# The published α (0.05) is for responses of thousands of tokens; at the demo's ~50 it gives
+# λ_policy ~0.6, and the reward reaches only the last few tokens. α 1 gives ~0.98.
 METHODS["VAPO, α 1"] = [*METHODS["VAPO"], "algorithm.vapo_alpha=1.0"]
 # 4 updates a step on mini-batches of 16 samples (DAPO's 16 of 32 prompts x 16): from the
 # second on the policy is off the sampler's, so the clip acts (with one update it never does).

@@ -23,6 +23,8 @@ import os
 import statistics
 import time
 
+from shapes import CONFIG_JSON
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -49,7 +51,8 @@ def main():
     from jaxrl_tools.types import Span, Trajectory
 
     vocab = 8192
-    shape = dict(
+    model_cfg = models.ModelConfig(
+        model_type="qwen2",
         vocab_size=vocab,
         hidden_size=args.hidden,
         intermediate_size=args.hidden * 3,
@@ -62,20 +65,9 @@ def main():
     if args.qwen_7b:
         if not args.flops_only:
             raise SystemExit("--qwen-7b: with --flops-only (its weights do not fit this machine)")
-        shape = dict(
-            vocab_size=152064,
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            head_dim=128,
-            tie_word_embeddings=False,
-        )
-    model_cfg = models.ModelConfig(model_type="qwen2", **shape)
-    shapes = models.param_shapes(model_cfg)
+        model_cfg = models.ModelConfig.from_hf(CONFIG_JSON["qwen2.5-7b"])
     params = None if args.flops_only else models.init_params(model_cfg, jax.random.key(0))
-    n_params = sum(x.size for x in jax.tree.leaves(shapes))
+    n_params = sum(x.size for x in jax.tree.leaves(models.param_shapes(model_cfg)))
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"model: {n_params / 1e6:.1f}M parameters, attention {args.attention}; load {load}")
 

@@ -31,7 +31,7 @@ Implementations (`impl`):
              self-attention (T == S) with q_pos[b, t] == t, the training forward: never the
              queries of a KV-cache read (`kv_heads_first`), which sit at absolute positions.
              Its sequence length must be a multiple of 128 (the kernel's blocks). Its segments
-             see only themselves: no shared prefixes ("auto" takes the XLA paths). On a mesh
+             see only themselves: no shared prefixes ("auto" takes the chunked path). On a mesh
              (`sharding.use_mesh`) it runs inside a `shard_map`, rows over the batch axes and
              heads over "tensor": the TPU compiler cannot partition a Mosaic kernel. Tested on
              CPU in Pallas TPU interpret mode (`pltpu.force_tpu_interpret_mode()`: the same

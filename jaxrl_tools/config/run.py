@@ -95,7 +95,7 @@ class RunConfig:
             self.model.attention != "pallas" or not o.share_prefix,
             "model.attention",
             "'pallas' takes no shared prompt prefixes (its kernel masks by segment equality "
-            "only): use 'auto' (the XLA paths then) or set optim.share_prefix to false",
+            "only): use 'auto' (the chunked path then) or set optim.share_prefix to false",
         )
         if self.tokenizer.path is None:
             _check(

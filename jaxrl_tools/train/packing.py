@@ -40,7 +40,7 @@ class Packing:
       rows, packed_rows, width: R, P and the packed rows' width W.
       padded_width: T, the padded rows' width (W unless the packed rows are wider).
       src_PT: per packed token, its flat index in the padded batch (R * T on padding).
-      dst_RT: per padded token, its flat index in the packed batch (P * T on padding).
+      dst_RT: per padded token, its flat index in the packed batch (P * W on padding).
       segments_PT: int32 segment ids: 1, 2, ... per packed row, 0 on padding.
       prefix_PT: with shared prompts (`plan_shared_packing`), the segment of the prefix each
         token also attends to (0: none); else None.
@@ -85,9 +85,6 @@ def plan_packing(
     it) with all-padding rows.
     """
     lengths = np.asarray(lengths_R, np.int64)
-    if (lengths > width).any():
-        r = int(np.argmax(lengths > width))
-        raise ValueError(f"plan_packing: row {r} has {lengths[r]} tokens, more than width {width}")
     units = [_Unit((r,), 0) for r in np.flatnonzero(lengths > 0)]
     return _layout(units, lengths, padded_width or width, width, multiple)
 
@@ -113,9 +110,6 @@ def plan_shared_packing(
     lengths = np.asarray(lengths_R, np.int64)
     R, padded_width = tokens.shape
     width = width or padded_width
-    if (lengths > width).any():
-        r = int(np.argmax(lengths > width))
-        raise ValueError(f"plan_packing: row {r} has {lengths[r]} tokens, more than width {width}")
     sets: dict[tuple, list[int]] = {}
     contexts = {}
     for r in np.flatnonzero(lengths > 0):
@@ -157,6 +151,9 @@ def _layout(units: list[_Unit], lengths, T: int, width: int, multiple: int) -> P
     with room), segments numbered 1, 2, ... per packed row in order of offset."""
     if multiple < 1:
         raise ValueError(f"plan_packing: multiple must be >= 1, got {multiple}")
+    if (lengths > width).any():
+        r = int(np.argmax(lengths > width))
+        raise ValueError(f"plan_packing: row {r} has {lengths[r]} tokens, more than width {width}")
     R = len(lengths)
     sizes = [u.size(lengths) for u in units]
     order = sorted(range(len(units)), key=lambda i: (-sizes[i], units[i].rows[0]))

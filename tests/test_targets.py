@@ -350,6 +350,39 @@ def test_xla_gpu_plans_the_tiny_model_on_8_h100s_with_cudnn_attention():
 
 
 @pytest.mark.target_compiler
+@pytest.mark.parametrize(
+    "platform, accelerator, topology, kernel",
+    [("tpu", "v5e", "v5e:2x2", "tpu_custom_call"), ("cuda", "h100-80g", "1x1x4", "__cudnn$fmha")],
+)
+def test_shared_prompt_rows_compile_for_the_target_on_the_chunked_path(
+    platform, accelerator, topology, kernel
+):
+    """`optim.share_prefix` rows, compiled by the target's own compiler: "auto" takes the
+    chunked XLA path (head_dim 128 would give the flash kernel on padded rows, which takes no
+    prefix mask), and the step fits and costs work."""
+    tc = targets.toolchain(platform)
+    if not tc.installed:
+        pytest.skip(tc.detail)
+    if platform == "cuda":
+        targets.prepare("cuda")
+    devices = targets.target_devices(accelerator, topology)
+    cfg = dataclasses.replace(tiny_model_config(), head_dim=128)
+    settings = plan.grpo_settings(
+        cfg, dtypes=models.DTypePolicy(compute="bfloat16"), micro_batch_size=len(devices)
+    )
+    optim = dataclasses.replace(settings.optim, share_prefix=True, pack_width=512)
+    settings = dataclasses.replace(settings, optim=optim)
+    compiled = {}
+    mesh = sharding.make_mesh((1, -1, 1), devices)
+    figures = plan.plan_memory(
+        settings, mesh=mesh, rows=8, seq_len=128, slots=4, cache_len=256, compiled=compiled
+    )
+    text = compiled["update"].as_text()
+    assert kernel not in text
+    assert figures["update"].peak > 0 and targets.hlo_cost(text).flops > 0
+
+
+@pytest.mark.target_compiler
 @_needs("cuda")
 def test_hlo_cost_counts_cublas_gemms_of_a_gpu_program():
     targets.prepare("cuda")

@@ -3,13 +3,12 @@ task: one SFT policy per seed, every method's RL from it for the same steps on t
 
 The demo's recipe (`configs/grpo_tool_math.yaml`: tiny Qwen2, the sandboxed Python tool, 8
 prompts x 8 samples, lr 2e-4; here no KL, no dual clip, 4 mini-batches a step) with each
-method's settings (`METHODS`). Per
-seed: SFT once, held-out accuracy of the SFT policy, then each method's RL run from a copy of
-it and its held-out accuracy (greedy, `--eval-size` problems). Prints, and writes to
-`--out`/ablation.md and ablation.json, per method: each seed's accuracy, the mean, the change
-against GRPO per seed with its standard error (paired over the held-out problems), the
-trajectories sampled per step (dynamic sampling samples more), the share of responses the
-overlong shaping touched, and the wall time.
+method's settings (`METHODS`). Per seed: SFT once, held-out accuracy of the SFT policy, then
+each method's RL run from a copy of it and its held-out accuracy (greedy, `--eval-size`
+problems). Prints, and writes to `--out`/ablation.md and ablation.json, per method: each seed's
+accuracy, the mean, the change against GRPO per seed with its standard error (paired over the
+held-out problems), the trajectories sampled per step (dynamic sampling samples more), whether
+the overlong shaping acted, and the wall time.
 
 Run: .venv/bin/python benchmarks/ablation_dapo.py --seeds 0,1 [--steps 40] [--eval-size 400]
      [--only GRPO,DAPO] [--out runs/ablation_dapo] [--set key=value ...]

@@ -19,6 +19,8 @@ import os
 import statistics
 import time
 
+from shapes import bench_qwen2
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -38,17 +40,7 @@ def main():
     from jaxrl_tools.types import Span, Trajectory
 
     vocab, prompts, G = 8192, 8, 8
-    model_cfg = models.ModelConfig(
-        model_type="qwen2",
-        vocab_size=vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 3,
-        num_hidden_layers=args.layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=args.hidden // 8,
-        tie_word_embeddings=True,
-    )
+    model_cfg = models.ModelConfig(**bench_qwen2(args.hidden, args.layers))
     params = models.init_params(model_cfg, jax.random.key(0))
     rng = np.random.default_rng(0)
     trajs, records = [], []

@@ -23,7 +23,7 @@ import os
 import statistics
 import time
 
-from shapes import CONFIG_JSON
+from shapes import CONFIG_JSON, bench_qwen2
 
 
 def main():
@@ -51,17 +51,7 @@ def main():
     from jaxrl_tools.types import Span, Trajectory
 
     vocab = 8192
-    model_cfg = models.ModelConfig(
-        model_type="qwen2",
-        vocab_size=vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 3,
-        num_hidden_layers=args.layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=args.hidden // 8,
-        tie_word_embeddings=True,
-    )
+    model_cfg = models.ModelConfig(**bench_qwen2(args.hidden, args.layers))
     if args.qwen_7b:
         if not args.flops_only:
             raise SystemExit("--qwen-7b: with --flops-only (its weights do not fit this machine)")

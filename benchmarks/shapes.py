@@ -16,6 +16,23 @@ PEER_QWEN2 = dict(
     tie_word_embeddings=True,
 )
 
+
+def bench_qwen2(hidden: int, layers: int) -> dict:
+    """The random Qwen2 the update benchmarks train (ModelConfig fields): vocab 8,192, 8 heads
+    of hidden / 8, 2 kv heads, MLP 3x wide, tied embeddings."""
+    return dict(
+        model_type="qwen2",
+        vocab_size=8192,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=hidden // 8,
+        tie_word_embeddings=True,
+    )
+
+
 CONFIG_JSON = {
     "qwen2.5-32b": dict(
         QWEN25,

@@ -87,9 +87,8 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
 
 
-def _per_step(log_dir: Path, key: str) -> list[float]:
-    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r[key] for r in rows if key in r]
+def _step_log(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def main():
@@ -145,9 +144,10 @@ def main():
         else:
             init = jax.tree.map(jnp.copy, sft[seed])  # the update donates its buffers
             summary = run.train(cfg, evaluate_after=True, init_params=init)
-        log_dir = Path(cfg.trainer.log_dir)
-        rounds = _per_step(log_dir, "filter/sampling_rounds") or [1.0]
-        overlong = _per_step(log_dir, "reward/dapo_overlong")
+        steps = _step_log(Path(cfg.trainer.log_dir))
+        rounds = [r["filter/sampling_rounds"] for r in steps if "filter/sampling_rounds" in r]
+        rounds = rounds or [1.0]
+        overlong = [r["reward/dapo_overlong"] for r in steps if "reward/dapo_overlong" in r]
         results[seed, name] = {
             "after": summary["after"],
             "wall_time_s": time.perf_counter() - t0 - summary.get("sft_time_s", 0.0),

@@ -46,6 +46,7 @@ def main():
     from jaxrl_tools.plan.memory import Memory
     from jaxrl_tools.targets.cost import hlo_cost
     from jaxrl_tools.train.batch import make_batch
+    from jaxrl_tools.train.packing import slot_width
     from jaxrl_tools.train.step import StepSettings, make_rl_step
     from jaxrl_tools.train.step_inputs import step_inputs
     from jaxrl_tools.types import Span, Trajectory
@@ -75,7 +76,7 @@ def main():
                 )
         optim = {"lr": 1e-5, "micro_batch_size": 1 if shared else G}
         if shared:  # a group a row
-            optim |= {"share_prefix": True, "pack_width": P - 1 + G * (R + 1)}
+            optim |= {"share_prefix": True, "pack_width": slot_width(P - 1) + G * slot_width(R + 1)}
         cfg = config_from_dict(
             {
                 "tokenizer": {"path": "unused"},

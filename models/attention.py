@@ -4,16 +4,19 @@ Every implementation computes the same masked, grouped-query attention:
 
   out[b, t, h] = softmax_s(q[b, t, h] . k[b, s, h // G] / sqrt(Dh) over allowed s) @ v[b, s, h // G]
   allowed(b, t, s) = kv_valid[b, s] and s <= q_pos[b, t] (and q_pos[b, t] - s < window)
-                     (and segment[b, s] in (segment[b, t], prefix[b, t]) for packed rows)
+                     (and segment[b, s] == segment[b, t] for packed rows)
 
 `q_pos[b, t]` is the key index query t sits at: `t` in a training forward (causal), the absolute
 position in a decode step over a cache row. `kv_valid` marks real keys (padding is False).
 `segment` (optional, self-attention only) numbers the sequences packed into one row: a token sees
-only the earlier tokens of its own sequence. `prefix` (optional, with `segment`) names for each
-token one more segment it sees: the context its sequence shares with the other samples of its
-prompt, laid out once before them (`train.packing.plan_shared_packing`); 0 for none. Such rows
-take the chunked path in blocks of PREFIX_CHUNK, which skips the scores the samples hide from
-each other.
+only the earlier tokens of its own sequence.
+
+Rows with a shared prompt (`prompt_keys`, `train.packing.plan_shared_packing`) are a prompt slot
+of S tokens, then N sample slots of L: the prompt slot attends causally to itself, and sample
+slot j's queries to the prompt-slot keys `prompt_keys[b, j]` marks and causally to their own
+slot. They run as two attentions of the kinds below: the prompt slot's self-attention (any
+implementation, kernels included), and the N samples' queries over [the prompt's keys, their
+own] (dense or chunked), so no score is computed that a sample hides from another.
 
 Implementations (`impl`):
   "dense"    the [B, H, T, S] float32 score matrix, as the model has always computed it; the
@@ -24,14 +27,15 @@ Implementations (`impl`):
   "cudnn"    `jax.nn.dot_product_attention(implementation="cudnn")`: cuDNN flash attention on
              NVIDIA GPUs. It takes causal + right padding (per-row lengths), bf16/fp16, Dh <= 128;
              only used when the caller passes `kv_lengths` (right-padded rows) and T == S; no
-             packed rows (jax's API takes no segment ids), so no shared prefixes.
+             packed rows (jax's API takes no segment ids); of shared-prompt rows, the prompt
+             slot.
   "pallas"   `jax.experimental.pallas.ops.tpu.flash_attention` on TPU, causal, padding and
              packed sequences by segment ids, kv heads repeated for GQA; no sliding window.
              The kernel masks causally by index (query t sees keys s <= t), so it takes only
              self-attention (T == S) with q_pos[b, t] == t, the training forward: never the
              queries of a KV-cache read (`kv_heads_first`), which sit at absolute positions.
-             Its sequence length must be a multiple of 128 (the kernel's blocks). Its segments
-             see only themselves: no shared prefixes ("auto" takes the chunked path). On a mesh
+             Its sequence length must be a multiple of 128 (the kernel's blocks); of
+             shared-prompt rows, the prompt slot. On a mesh
              (`sharding.use_mesh`) it runs inside a `shard_map`, rows over the batch axes and
              heads over "tensor": the TPU compiler cannot partition a Mosaic kernel. Tested on
              CPU in Pallas TPU interpret mode (`pltpu.force_tpu_interpret_mode()`: the same
@@ -64,11 +68,6 @@ NEG_INF = -0.7 * float(np.finfo(np.float32).max)
 # entries: fp32 CPU runs (tests, the demo) keep their exact numbers, long sequences go chunked.
 DENSE_MAX_SCORES = 1 << 24
 CHUNK = 512  # query and key chunk of the chunked path
-# The chunk of rows with shared prefixes: a row holds a prompt and G samples that do not see
-# each other, and small blocks let the chunked path skip most of those scores (on a 2-core CPU,
-# a prompt of 256 and 8 samples of 256: attention forward + backward 3.3 s dense, 0.9 s in
-# blocks of 512, 0.2-0.3 s in blocks of 128).
-PREFIX_CHUNK = 128
 
 
 def select_impl(
@@ -83,7 +82,6 @@ def select_impl(
     window: int | None = None,
     kv_cache: bool = False,
     platform: str | None = None,
-    shared_prefix: bool = False,
 ) -> str:
     """The implementation "auto" resolves to for these shapes on `platform` ("gpu", "tpu",
     "cpu"; None: `compute_platform()`, where the traced computation will run).
@@ -92,18 +90,10 @@ def select_impl(
     given, not packed, Dh <= 128 and a multiple of 8). TPU: the Pallas flash kernel for causal
     self-attention (T == S, not over a KV cache: `kv_cache`, keys read in the cache's layout,
     whose queries sit at absolute positions) when T is a multiple of 128, Dh of 128 and there is
-    no sliding window. Otherwise dense while T * S <= DENSE_MAX_SCORES, else chunked. Rows
-    with a `shared_prefix` always take the chunked path (neither kernel takes their mask, and
-    the chunked path skips the blocks their samples hide from each other).
+    no sliding window. Otherwise dense while T * S <= DENSE_MAX_SCORES, else chunked.
     """
     if impl not in IMPLS:
         raise ValueError(f"attention implementation {impl!r} is not one of {list(IMPLS)}")
-    if shared_prefix and impl in ("cudnn", "pallas"):
-        raise ValueError(
-            f"attention impl {impl!r} takes no shared prompt prefixes (its kernel masks by "
-            "segment equality only); use 'auto', 'dense' or 'chunked', or optim.share_prefix: "
-            "false"
-        )
     if impl == "cudnn" and packed:
         raise ValueError(
             "attention impl 'cudnn' takes no packed rows (jax's API has no segment ids); use "
@@ -111,8 +101,6 @@ def select_impl(
         )
     if impl != "auto":
         return impl
-    if shared_prefix:
-        return "chunked"
     backend = platform or compute_platform()
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     cudnn_ok = has_lengths and not packed and T == S and Dh <= 128 and Dh % 8 == 0
@@ -141,7 +129,7 @@ def attention(
     *,
     kv_lengths_B: jax.Array | None = None,
     segment_ids_BT: jax.Array | None = None,
-    prefix_ids_BT: jax.Array | None = None,
+    prompt_keys_BNS: jax.Array | None = None,
     impl: str = "auto",
     window: int | None = None,
     chunk: int = CHUNK,
@@ -158,8 +146,9 @@ def attention(
         (kv_valid[b] = [s < kv_lengths[b]], q_pos[b, t] = t): lets "auto" choose cuDNN.
       segment_ids_BT: int, packed self-attention (T == S): a query attends only to keys of the
         same segment id (0 on padding); None: one sequence per row.
-      prefix_ids_BT: int, with `segment_ids_BT`: the one other segment each query also sees
-        (its shared prompt prefix; 0: none).
+      prompt_keys_BNS: bool [B, N, S]: rows with a shared prompt (module docstring), a prompt
+        slot of S tokens and N sample slots of (T - S) / N; sample slot j sees the prompt-slot
+        keys marked in [b, j]. Each slot holds one sequence: `segment_ids_BT` is not read.
       impl: one of IMPLS.
       window: sliding window (a query sees the `window` keys ending at its own position).
       chunk: query/key chunk of the chunked path.
@@ -174,12 +163,11 @@ def attention(
         K, S = S, K
     if H % K:
         raise ValueError(f"attention: {H} query heads are not a multiple of {K} kv heads")
+    if prompt_keys_BNS is not None:
+        return _shared_prompt(q_BTHD, k_BSKD, v_BSKD, kv_valid_BS, prompt_keys_BNS, impl, chunk)
     packed = segment_ids_BT is not None
     if packed and T != S:
         raise ValueError(f"attention: segment ids need self-attention (T == S), got {T} vs {S}")
-    shared = prefix_ids_BT is not None
-    if shared and not packed:
-        raise ValueError("attention: prefix ids need segment ids")
     impl = select_impl(
         impl,
         T=T,
@@ -190,7 +178,6 @@ def attention(
         packed=packed,
         window=window,
         kv_cache=kv_heads_first,
-        shared_prefix=shared,
     )
     if impl == "pallas" and (kv_heads_first or T != S):
         raise ValueError(
@@ -199,16 +186,14 @@ def attention(
             "use 'auto', 'dense' or 'chunked'"
         )
     seg = None if not packed else segment_ids_BT.astype(jnp.int32)
-    pre = None if not shared else prefix_ids_BT.astype(jnp.int32)
     if kv_heads_first:
         if impl == "dense" and not packed:
             return _dense_heads_first(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window)
         k_BSKD, v_BSKD = jnp.swapaxes(k_BSKD, 1, 2), jnp.swapaxes(v_BSKD, 1, 2)
     if impl == "dense":
-        return _dense(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window, seg, pre)
+        return _dense(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window, seg)
     if impl == "chunked":
-        chunk = min(chunk, PREFIX_CHUNK) if shared else chunk
-        return _chunked(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window, chunk, seg, pre)
+        return _chunked(q_BTHD, k_BSKD, v_BSKD, q_pos_BT, kv_valid_BS, window, chunk, seg)
     if impl == "cudnn":
         if kv_lengths_B is None or T != S:
             raise ValueError("attention impl 'cudnn' needs right-padded self-attention lengths")
@@ -227,25 +212,55 @@ def attention(
     return _pallas_tpu(q_BTHD, k_BSKD, v_BSKD, seg, window)
 
 
-def _allowed(
-    q_pos_BT, kv_pos_S, kv_valid_BS, window, q_seg_BT=None, kv_seg_BS=None, q_prefix_BT=None
-):
+def _shared_prompt(q, k, v, kv_valid_BT, prompt_keys_BNS, impl, chunk):
+    """Rows of a prompt slot and N sample slots (see `attention`): the prompt slot's causal
+    self-attention, and each sample's queries over [the prompt's keys, its own]. The prompt's
+    keys are broadcast over the N samples, so their gradients add up over them."""
+    B, T, H, Dh = q.shape
+    _, N, S = prompt_keys_BNS.shape
+    L = (T - S) // N
+    if S + N * L != T:
+        raise ValueError(f"attention: {T} tokens are not a prompt slot of {S} and {N} equal slots")
+    valid_BT = kv_valid_BT.astype(bool)
+    # The prompt slot is right-padded: its lengths let "auto" take cuDNN (at least 1: a row of
+    # whole samples has an empty prompt slot, whose outputs are never read).
+    prompt_lengths = jnp.maximum(jnp.sum(valid_BT[:, :S], axis=1, dtype=jnp.int32), 1)
+    q_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    out_prompt = attention(
+        q[:, :S], k[:, :S], v[:, :S], q_pos, valid_BT[:, :S],
+        kv_lengths_B=prompt_lengths, impl=impl, chunk=chunk,
+    )  # fmt: skip
+
+    def samples(x):  # [B, S + N L, n, Dh] -> the keys each sample sees, [B N, S + L, n, Dh]
+        n = x.shape[2]
+        prompt = jnp.broadcast_to(x[:, None, :S], (B, N, S, n, Dh))
+        own = x[:, S:].reshape(B, N, L, n, Dh)
+        return jnp.concatenate([prompt, own], axis=2).reshape(B * N, S + L, n, Dh)
+
+    seen = jnp.concatenate([prompt_keys_BNS.astype(bool), valid_BT[:, S:].reshape(B, N, L)], 2)
+    q_pos = jnp.broadcast_to(S + jnp.arange(L, dtype=jnp.int32), (B * N, L))  # after the prompt
+    out_samples = attention(
+        q[:, S:].reshape(B * N, L, H, Dh), samples(k), samples(v), q_pos,
+        seen.reshape(B * N, S + L), impl=impl if impl in ("dense", "chunked") else "auto",
+        chunk=chunk,
+    )  # fmt: skip
+    return jnp.concatenate([out_prompt, out_samples.reshape(B, N * L, H, Dh)], axis=1)
+
+
+def _allowed(q_pos_BT, kv_pos_S, kv_valid_BS, window, q_seg_BT=None, kv_seg_BS=None):
     ok = (kv_pos_S[None, None, :] <= q_pos_BT[:, :, None]) & kv_valid_BS[:, None, :]
     if window is not None:
         ok &= q_pos_BT[:, :, None] - kv_pos_S[None, None, :] < window
     if q_seg_BT is not None:
-        same = q_seg_BT[:, :, None] == kv_seg_BS[:, None, :]
-        if q_prefix_BT is not None:  # (padding's segment 0 is not a valid key)
-            same |= q_prefix_BT[:, :, None] == kv_seg_BS[:, None, :]
-        ok &= same
+        ok &= q_seg_BT[:, :, None] == kv_seg_BS[:, None, :]
     return ok
 
 
-def _dense(q, k, v, q_pos_BT, kv_valid_BS, window, seg_BT=None, prefix_BT=None):
+def _dense(q, k, v, q_pos_BT, kv_valid_BS, window, seg_BT=None):
     B, T, H, Dh = q.shape
     K = k.shape[2]
     S = jnp.arange(k.shape[1])
-    mask_BTS = _allowed(q_pos_BT, S, kv_valid_BS, window, seg_BT, seg_BT, prefix_BT)
+    mask_BTS = _allowed(q_pos_BT, S, kv_valid_BS, window, seg_BT, seg_BT)
     q = q.reshape(B, T, K, H // K, Dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (Dh**-0.5)
@@ -279,7 +294,7 @@ def _pad_axis(x, axis, size, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _chunked(q, k, v, q_pos_BT, kv_valid_BS, window, chunk, seg_BT=None, prefix_BT=None):
+def _chunked(q, k, v, q_pos_BT, kv_valid_BS, window, chunk, seg_BT=None):
     B, T, H, Dh = q.shape
     S, K = k.shape[1], k.shape[2]
     G = H // K
@@ -295,21 +310,18 @@ def _chunked(q, k, v, q_pos_BT, kv_valid_BS, window, chunk, seg_BT=None, prefix_
     # Without packing every (query, key) pair is of the same segment: all zeros.
     seg_BT = jnp.zeros((B, T), jnp.int32) if seg_BT is None else seg_BT
     q_seg = _pad_axis(seg_BT, 1, nq * qc).reshape(B, nq, qc)
-    # Without shared prefixes a query's prefix is its own segment (the same mask).
-    prefix_BT = seg_BT if prefix_BT is None else prefix_BT
-    q_pre = _pad_axis(prefix_BT, 1, nq * qc).reshape(B, nq, qc)
     kv_seg = _pad_axis(seg_BT, 1, nk * kc).reshape(B, nk, kc)
     scale = Dh**-0.5
     kv_xs = (*(x.swapaxes(0, 1) for x in (k, v, valid, kv_seg)), kv_pos)
 
     @jax.checkpoint
-    def q_block(q_bqkgd, qp_bq, qs_bq, qpre_bq):
+    def q_block(q_bqkgd, qp_bq, qs_bq):
         # Only the running max / sum / output of the online softmax are carried; the backward
         # pass recomputes each block's scores (checkpoint) instead of storing them.
         @jax.checkpoint
         def kv_block(carry, xs):
             k_c, v_c, valid_c, seg_c, pos_c = xs
-            ok_BTS = _allowed(qp_bq, pos_c, valid_c, window, qs_bq, seg_c, qpre_bq)
+            ok_BTS = _allowed(qp_bq, pos_c, valid_c, window, qs_bq, seg_c)
 
             def update(carry):
                 m, denom, acc = carry
@@ -340,7 +352,7 @@ def _chunked(q, k, v, q_pos_BT, kv_valid_BS, window, chunk, seg_BT=None, prefix_
     def q_step(_, xs):
         return None, q_block(*xs)
 
-    xs = (q.swapaxes(0, 1), q_pos.swapaxes(0, 1), q_seg.swapaxes(0, 1), q_pre.swapaxes(0, 1))
+    xs = (q.swapaxes(0, 1), q_pos.swapaxes(0, 1), q_seg.swapaxes(0, 1))
     _, out = jax.lax.scan(q_step, None, xs)
     # out: [nq, B, qc, K, G, Dh] -> [B, T, H, Dh]
     return out.swapaxes(0, 1).reshape(B, nq * qc, H, Dh)[:, :T]

@@ -197,7 +197,7 @@ def _rotate(x_BTNK, cos_BTK, sin_BTK):
 
 class Attention(nn.Module):
     """Self-attention; `mask` = (q_pos_BT, kv_valid_BS, kv_lengths_B, segment_ids_BT,
-    prefix_ids_BT), the last three optional (None), see `models.attention`. With a cache, the
+    prompt_keys_BNS), the last three optional (None), see `models.attention`. With a cache, the
     keys attended are the first kv_valid_BS.shape[1] positions of each row (the live part), not
     the whole row."""
 
@@ -245,7 +245,7 @@ class Attention(nn.Module):
             k = from_stored(ck[layer_idx, :, :, :live]).astype(q.dtype)  # [B, K, live, Dh]
             v = from_stored(cv[layer_idx, :, :, :live]).astype(q.dtype)
 
-        q_pos_BT, kv_valid_BS, kv_lengths_B, segment_ids_BT, prefix_ids_BT = mask
+        q_pos_BT, kv_valid_BS, kv_lengths_B, segment_ids_BT, prompt_keys_BNS = mask
         out = attn_lib.attention(
             q,
             k,
@@ -254,7 +254,7 @@ class Attention(nn.Module):
             kv_valid_BS,
             kv_lengths_B=kv_lengths_B,
             segment_ids_BT=segment_ids_BT,
-            prefix_ids_BT=prefix_ids_BT,
+            prompt_keys_BNS=prompt_keys_BNS,
             impl=self.impl,
             kv_heads_first=cache is not None,
         )
@@ -371,17 +371,17 @@ class Decoder(nn.Module):
 
 
 def _self_mask(
-    attention_mask_BT, right_padded: bool = False, packed: bool = False, prefix_ids_BT=None
+    attention_mask_BT, right_padded: bool = False, packed: bool = False, prompt_keys_BNS=None
 ):
     """The attention mask spec of a causal forward over (padded) rows: query t sees key s <= t
-    that is not padding (and, `packed`, of the same segment, the mask's value, or of its
-    shared prefix's, `prefix_ids_BT`)."""
+    that is not padding (and, `packed`, of the same segment, the mask's value; with
+    `prompt_keys_BNS`, the shared-prompt rows of `models.attention`)."""
     B, T = attention_mask_BT.shape
     valid = attention_mask_BT > 0
     lengths = jnp.sum(valid, axis=-1, dtype=jnp.int32) if right_padded and not packed else None
     segments = attention_mask_BT.astype(jnp.int32) if packed else None
     q_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    return (q_pos, valid, lengths, segments, prefix_ids_BT)
+    return (q_pos, valid, lengths, segments, prompt_keys_BNS)
 
 
 def _boxed_shapes(config: ModelConfig, dtype) -> Params:
@@ -508,7 +508,7 @@ def hidden_states(
     attention: str = "auto",
     right_padded: bool = False,
     packed: bool = False,
-    prefix_ids=None,
+    prompt_keys=None,
 ) -> jax.Array:
     """Hidden states after the final norm, h_BTD in the compute dtype (= the params' dtype).
 
@@ -528,9 +528,9 @@ def hidden_states(
       right_padded: every row's real tokens come first (lets "auto" use cuDNN on GPU).
       packed: rows hold several sequences: `attention_mask` numbers them (1, 2, ...; 0 on
         padding) and a token attends only within its own; `positions` restart per sequence.
-      prefix_ids: [B, T], packed rows whose samples share their prompt: the segment each token
-        also attends to (the prompt laid out once, `train.packing.plan_shared_packing`), 0 for
-        none. The attention then takes the chunked path ("auto": `attention.select_impl`).
+      prompt_keys: bool [B, N, S], packed rows whose samples share their prompt
+        (`train.packing.plan_shared_packing`): a prompt slot of S tokens, then N sample slots,
+        slot j seeing the prompt-slot tokens marked in [b, j] (`models.attention`).
 
     Returns:
       h_BTD with logits = h_BTD @ unembed(config, params).
@@ -542,14 +542,9 @@ def hidden_states(
         if packed:
             raise ValueError("hidden_states: packed rows need their positions (0 at each start)")
         positions = default_positions(attention_mask)
-    if prefix_ids is not None:
-        if not packed:
-            raise ValueError("hidden_states: prefix_ids need packed rows")
-        attention = attn_lib.select_impl(
-            attention, T=T, S=T, Dh=config.head_dim, dtype=jnp.float32, has_lengths=False,
-            packed=True, shared_prefix=True,
-        )  # fmt: skip
-    mask = _self_mask(attention_mask, right_padded, packed, prefix_ids)
+    if prompt_keys is not None and not packed:
+        raise ValueError("hidden_states: prompt_keys need packed rows")
+    mask = _self_mask(attention_mask, right_padded, packed, prompt_keys)
     h, _ = _apply(config, params, input_ids_BT, positions, mask, remat=remat, attention=attention)
     return h
 

@@ -17,6 +17,7 @@ from jaxrl_tools.config import AlgorithmSection, ConfigError
 from jaxrl_tools.models import attention as attn_lib
 from jaxrl_tools.plan import run_plan
 from jaxrl_tools.targets import compilers
+from jaxrl_tools.train.step_inputs import full_batch, step_inputs
 
 
 def _needs(platform: str):
@@ -354,12 +355,12 @@ def test_xla_gpu_plans_the_tiny_model_on_8_h100s_with_cudnn_attention():
     "platform, accelerator, topology, kernel",
     [("tpu", "v5e", "v5e:2x2", "tpu_custom_call"), ("cuda", "h100-80g", "1x1x4", "__cudnn$fmha")],
 )
-def test_shared_prompt_rows_compile_for_the_target_on_the_chunked_path(
+def test_shared_prompt_rows_compile_for_the_target_with_its_kernel_on_the_prompt_slot(
     platform, accelerator, topology, kernel
 ):
-    """`optim.share_prefix` rows, compiled by the target's own compiler: "auto" takes the
-    chunked XLA path (head_dim 128 would give the flash kernel on padded rows, which takes no
-    prefix mask), and the step fits and costs work."""
+    """`optim.share_prefix` rows, compiled by the target's own compiler: the prompt slot (256
+    tokens, head_dim 128) runs the target's flash kernel, the samples' attention XLA, and the
+    step fits and costs work."""
     tc = targets.toolchain(platform)
     if not tc.installed:
         pytest.skip(tc.detail)
@@ -370,15 +371,18 @@ def test_shared_prompt_rows_compile_for_the_target_on_the_chunked_path(
     settings = plan.grpo_settings(
         cfg, dtypes=models.DTypePolicy(compute="bfloat16"), micro_batch_size=len(devices)
     )
-    optim = dataclasses.replace(settings.optim, share_prefix=True, pack_width=512)
+    # 8 rows of the same 256-token context and 256-token samples: slots of 256 and 2 x 272
+    optim = dataclasses.replace(settings.optim, share_prefix=True, pack_width=1024)
     settings = dataclasses.replace(settings, optim=optim)
+    rows = step_inputs(full_batch(8, 512), settings)[0]["rows"]
+    assert rows["tokens"].shape == (4, 256 + 2 * 272) and rows["prompt_keys"].shape == (4, 2, 256)
     compiled = {}
     mesh = sharding.make_mesh((1, -1, 1), devices)
     figures = plan.plan_memory(
-        settings, mesh=mesh, rows=8, seq_len=128, slots=4, cache_len=256, compiled=compiled
+        settings, mesh=mesh, rows=8, seq_len=512, slots=4, cache_len=256, compiled=compiled
     )
     text = compiled["update"].as_text()
-    assert kernel not in text
+    assert kernel in text
     assert figures["update"].peak > 0 and targets.hlo_cost(text).flops > 0
 
 

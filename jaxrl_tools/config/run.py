@@ -94,8 +94,9 @@ class RunConfig:
         _check(
             self.model.attention != "pallas" or not o.share_prefix,
             "model.attention",
-            "'pallas' takes no shared prompt prefixes (its kernel masks by segment equality "
-            "only): use 'auto' (the chunked path then) or set optim.share_prefix to false",
+            "'pallas' takes sequences a multiple of 128 long, and shared prompt slots are "
+            "not: use 'auto' (it runs the kernel where the shapes allow) or set "
+            "optim.share_prefix to false",
         )
         if self.tokenizer.path is None:
             _check(

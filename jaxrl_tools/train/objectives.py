@@ -5,7 +5,8 @@ micro-batch dict with "tokens", "positions", "attention", "loss_mask", "advantag
 optional "old_logp" / "ref_logp" / "behaviour_logp" (actor), "old_values" / "returns" (critic).
 With `packed` (`train.packing`), rows hold several sequences, "attention" holds their segment ids
 and "correct" is per token; every per-sequence reduction then goes by segment. With shared
-prompts (`optim.share_prefix`), "prefix" names the segment each token also attends to.
+prompts (`optim.share_prefix`), "prompt_keys" marks the prompt-slot tokens each sample slot
+attends to.
 Each loss is a micro-batch's *sum* divided by the whole mini-batch's denominator
 (`actor_denominator`), so accumulating micro-batches gives the full mini-batch gradient exactly.
 """
@@ -79,7 +80,7 @@ def sequence_logprobs(
         entropy_grad=entropy_grad,
         attention=attention,
         packed=packed,
-        prefix_ids=b.get("prefix"),
+        prompt_keys=b.get("prompt_keys"),
     )
 
 
@@ -199,7 +200,7 @@ def token_values(
         attention=attention,
         packed=packed,
         remat=remat,
-        prefix_ids=b.get("prefix"),
+        prompt_keys=b.get("prompt_keys"),
     )
 
 

@@ -12,8 +12,9 @@ two layouts, on the host (NumPy) or inside a jitted function (jax arrays, with t
 passed in: `take_tokens`).
 
 With shared prompts (`plan_shared_packing`, `optim.share_prefix`), the samples of one prompt
-are laid out as that prompt once, then each sample's own tokens, each attending to the prompt
-and to itself: the update computes the prompt once per group instead of once per sample.
+are laid out as that prompt once, in a prompt slot, then each sample's own tokens in a sample
+slot of fixed width, each attending to the prompt and to itself: the update computes the
+prompt once per group instead of once per sample, and the attention only what is seen.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ def take_tokens(x, index, fill=0):
     return flat[index]
 
 
+def slot_width(n: int) -> int:
+    """n rounded up to a multiple of 2^(floor(log2 n) - 4): at most 6% more, and 16 widths per
+    doubling (so few compiled shapes)."""
+    n = max(int(n), 1)
+    step = 1 << max(n.bit_length() - 5, 0)
+    return -(-n // step) * step
+
+
 @dataclasses.dataclass(frozen=True)
 class Packing:
     """Where every token of a [rows, padded_width] padded batch lies in the [packed_rows, width]
@@ -42,8 +51,9 @@ class Packing:
       src_PT: per packed token, its flat index in the padded batch (R * T on padding).
       dst_RT: per padded token, its flat index in the packed batch (P * W on padding).
       segments_PT: int32 segment ids: 1, 2, ... per packed row, 0 on padding.
-      prefix_PT: with shared prompts (`plan_shared_packing`), the segment of the prefix each
-        token also attends to (0: none); else None.
+      prompt_keys_PNS: with shared prompts (`plan_shared_packing`), bool [P, N, S]: the
+        rows are a prompt slot of S tokens then N sample slots, and sample slot j sees the
+        prompt-slot tokens marked in [p, j]; else None.
     """
 
     rows: int
@@ -53,7 +63,7 @@ class Packing:
     src_PT: np.ndarray
     dst_RT: np.ndarray
     segments_PT: np.ndarray
-    prefix_PT: np.ndarray | None = None
+    prompt_keys_PNS: np.ndarray | None = None
 
     def pack(self, x_RT, fill=0):
         """A per-token [R, T] array in the packed layout, [P, T] (`fill` on padding)."""
@@ -67,6 +77,15 @@ class Packing:
         """A per-row [R] value, repeated over each of its tokens, in the packed layout [P, T]."""
         x_R = np.asarray(x_R)
         return self.pack(np.repeat(x_R[:, None], self.padded_width, axis=1), fill)
+
+    @property
+    def slots(self) -> tuple[int, int, int] | None:
+        """(S, N, L): the prompt slot's width, the sample slots and their width; None unless the
+        rows share prompts."""
+        if self.prompt_keys_PNS is None:
+            return None
+        _, N, S = self.prompt_keys_PNS.shape
+        return S, N, (self.width - S) // N
 
     @property
     def fill_fraction(self) -> float:
@@ -84,70 +103,94 @@ def plan_packing(
     left out. The packed row count is rounded up to `multiple` (micro-batches and devices split
     it) with all-padding rows.
     """
-    lengths = np.asarray(lengths_R, np.int64)
-    units = [_Unit((r,), 0) for r in np.flatnonzero(lengths > 0)]
-    return _layout(units, lengths, padded_width or width, width, multiple)
+    return _layout(np.asarray(lengths_R, np.int64), padded_width or width, width, multiple)
 
 
 def plan_shared_packing(
-    tokens_RT, lengths_R, loss_mask_RT, *, width: int | None = None, multiple: int = 1
+    tokens_RT,
+    lengths_R,
+    loss_mask_RT,
+    *,
+    width: int | None = None,
+    multiple: int = 1,
 ) -> Packing:
-    """`plan_packing`, with the rows whose context is the same laid out as that context once,
-    then each row's own tokens (the samples of one prompt: G x (P + R) tokens become P + G x R).
+    """The rows whose context is the same laid out as that context once, then each row's own
+    tokens (the samples of one prompt: G x (P + R) tokens become P + G x R), in rows of slots:
+    a prompt slot of S tokens, then N sample slots of L tokens each (`Packing.slots`).
 
     A row's context is its tokens before its first loss token. Rows with the same context of
-    s >= 2 tokens share its first s - 1 (the prefix segment, `Packing.prefix_PT` on the tokens
-    that also attend to it); each keeps its context's last token, so the shift by one that turns
-    hidden states into next-token log-probs, and values, stays within the row's own segment.
-    A set of rows too long for one packed row is split, each part with its own copy of the
-    prefix. Every packed token still comes from one padded token (`src_PT`); every padded
-    token of a shared prefix maps to the one copy (`dst_RT`), and none is trained on.
+    s >= 2 tokens share its first s - 1: the prompt slot of a packed row holds them once, and
+    each row lies in a sample slot from its context's last token on, so the shift by one that
+    turns hidden states into next-token log-probs, and values, stays within the row's own
+    segment. Sample slot j's queries see the prompt-slot keys marked in `prompt_keys_PNS[p, j]`
+    and the earlier tokens of their own slot (`models.attention`): with fixed slots no score is
+    computed that a sample hides from another. A set of more than N rows is split, each part
+    with its own copy of the context. Rows that share their context with none fill free sample
+    slots whole where they fit (seeing no prompt), else take a packed row of their own.
 
-    `width`: the packed rows' (default the padded rows'). A group shares its prompt whole only
-    in a row that holds it: G samples of prompt P and responses R need P + G x R tokens.
+    S and L are the longest shared context and sample, rounded up (`slot_width`: fewer
+    compiled shapes); N is the largest set, at most what `width` (default the padded rows')
+    holds. When no context is shared, or the slots would not hold fewer tokens than
+    `plan_packing` into rows of `width`, that plain packing is returned (`slots` None).
     """
     tokens, mask = np.asarray(tokens_RT), np.asarray(loss_mask_RT)
     lengths = np.asarray(lengths_R, np.int64)
-    R, padded_width = tokens.shape
-    width = width or padded_width
+    R, T = tokens.shape
+    width = width or T
+    plain = plan_packing(lengths, width, multiple=multiple, padded_width=T)
     sets: dict[tuple, list[int]] = {}
-    contexts = {}
+    head = np.zeros(R, np.int64)  # the tokens of each row's context it can share
     for r in np.flatnonzero(lengths > 0):
         trained = np.flatnonzero(mask[r, : lengths[r]] > 0)
         s = int(trained[0]) if len(trained) else int(lengths[r])
-        contexts[r] = s
-        key = ("context", s, tokens[r, :s].tobytes()) if 2 <= s < lengths[r] else ("row", r)
+        shareable = 2 <= s < lengths[r]
+        head[r] = s - 1 if shareable else 0
+        key = ("context", s, tokens[r, :s].tobytes()) if shareable else ("row", int(r))
         sets.setdefault(key, []).append(int(r))
-    units = []
-    for rows in sets.values():
-        s = contexts[rows[0]] if len(rows) > 1 else 0
-        head = max(s - 1, 0)
-        part, size = [], head
-        for r in rows:  # in row order, a new copy of the prefix when the packed row is full
-            if part and size + lengths[r] - head > width:
-                units.append(_Unit(tuple(part), s))
-                part, size = [], head
-            part.append(r)
-            size += lengths[r] - head
-        units.append(_Unit(tuple(part), s))
-    return _layout(units, lengths, padded_width, width, multiple)
+    shared = [rows for rows in sets.values() if len(rows) > 1]
+    if not shared:
+        return plain
+    L = slot_width(max(lengths[r] - head[r] for rows in shared for r in rows))
+    singles = [rows[0] for rows in sets.values() if len(rows) == 1]
+    fillers = [r for r in singles if lengths[r] <= L]
+    units = shared + [[r] for r in singles if lengths[r] > L]  # these keep a prompt slot
+    S = slot_width(max(head[rows[0]] for rows in units))
+    L = slot_width(max(lengths[r] - head[r] for rows in units for r in rows))
+    N = min(max(len(rows) for rows in units), (width - S) // L)
+    if N < 2:  # a row holds no prompt slot and two samples
+        return plain
+    # Each packed row: the rows sharing its prompt slot, then the whole rows filling its slots.
+    slotted = [(rows[i : i + N], []) for rows in units for i in range(0, len(rows), N)]
+    for r in fillers:
+        row = next((x for x in slotted if len(x[0]) + len(x[1]) < N), None)
+        if row is None:
+            slotted.append(row := ([], []))
+        row[1].append(r)
+    P = max(multiple, -(-len(slotted) // multiple) * multiple)
+    W = S + N * L
+    if P * W >= plain.packed_rows * plain.width:
+        return plain
+    src = np.full((P, W), R * T, np.int32)
+    dst = np.full((R, T), P * W, np.int32)
+    segments = np.zeros((P, W), np.int32)
+    prompt_keys = np.zeros((P, N, S), bool)
+    for p, (sharing, whole) in enumerate(slotted):
+        h = int(head[sharing[0]]) if sharing else 0
+        if h:  # the context once; every row of the set maps its tokens to it
+            src[p, :h], segments[p, :h] = sharing[0] * T + np.arange(h), 1
+            prompt_keys[p, : len(sharing), :h] = True
+        for j, r in enumerate(sharing + whole):
+            skip = h if j < len(sharing) else 0
+            n, at = int(lengths[r]) - skip, p * W + S + j * L
+            dst[r, :skip] = p * W + np.arange(skip)
+            src.flat[at : at + n] = r * T + skip + np.arange(n)
+            dst[r, skip : skip + n] = at + np.arange(n)
+            segments.flat[at : at + n] = j + 2
+    return Packing(R, P, W, T, src, dst, segments, prompt_keys)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Unit:
-    """Rows placed together: with `shared` = s > 0, their common first s - 1 tokens once (from
-    the first row) and then each row from token s - 1; with 0, one row as it is."""
-
-    rows: tuple[int, ...]
-    shared: int
-
-    def size(self, lengths) -> int:
-        head = max(self.shared - 1, 0)
-        return head + sum(int(lengths[r]) - head for r in self.rows)
-
-
-def _layout(units: list[_Unit], lengths, T: int, width: int, multiple: int) -> Packing:
-    """The units placed first-fit decreasing (largest first, each into the first packed row
+def _layout(lengths, T: int, width: int, multiple: int) -> Packing:
+    """The sequences placed first-fit decreasing (longest first, each into the first packed row
     with room), segments numbered 1, 2, ... per packed row in order of offset."""
     if multiple < 1:
         raise ValueError(f"plan_packing: multiple must be >= 1, got {multiple}")
@@ -155,42 +198,26 @@ def _layout(units: list[_Unit], lengths, T: int, width: int, multiple: int) -> P
         r = int(np.argmax(lengths > width))
         raise ValueError(f"plan_packing: row {r} has {lengths[r]} tokens, more than width {width}")
     R = len(lengths)
-    sizes = [u.size(lengths) for u in units]
-    order = sorted(range(len(units)), key=lambda i: (-sizes[i], units[i].rows[0]))
-    used = np.zeros(max(1, len(units)), np.int64)  # tokens placed in each packed row so far
+    order = sorted(np.flatnonzero(lengths > 0), key=lambda r: (-lengths[r], r))
+    used = np.zeros(max(1, R), np.int64)  # tokens placed in each packed row so far
     n_used = 0
-    row_of, offset = np.zeros(len(units), np.int64), np.zeros(len(units), np.int64)
-    for i in order:
-        room = np.flatnonzero(used[:n_used] + sizes[i] <= width)
+    row_of, offset = np.zeros(R, np.int64), np.zeros(R, np.int64)
+    for r in order:
+        room = np.flatnonzero(used[:n_used] + lengths[r] <= width)
         p = room[0] if len(room) else n_used
         n_used = max(n_used, p + 1)
-        row_of[i], offset[i] = p, used[p]
-        used[p] += sizes[i]
+        row_of[r], offset[r] = p, used[p]
+        used[p] += lengths[r]
     P = max(multiple, -(-n_used // multiple) * multiple)
     src = np.full((P, width), R * T, np.int32)
     dst = np.full((R, T), P * width, np.int32)
     segments = np.zeros((P, width), np.int32)
-    prefix = np.zeros((P, width), np.int32)
     seg_count = np.zeros(P, np.int32)
-    for i in sorted(order, key=lambda i: (row_of[i], offset[i])):
-        unit, p = units[i], row_of[i]
-        at = p * width + offset[i]  # the next free packed token, flat
-        head = max(unit.shared - 1, 0)
-        if head:  # the shared prefix: the first row's tokens, every row's map to them
-            seg_count[p] += 1
-            src.flat[at : at + head] = unit.rows[0] * T + np.arange(head)
-            segments.flat[at : at + head] = seg_count[p]
-            for r in unit.rows:
-                dst[r, :head] = at + np.arange(head)
-            at += head
-        for j, r in enumerate(unit.rows):
-            n = int(lengths[r]) - head
-            seg_count[p] += 1
-            src.flat[at : at + n] = r * T + head + np.arange(n)
-            dst[r, head : head + n] = at + np.arange(n)
-            segments.flat[at : at + n] = seg_count[p]
-            if head:  # the prefix's segment, j + 1 segments back
-                prefix.flat[at : at + n] = seg_count[p] - j - 1
-            at += n
-    shared = any(u.shared for u in units)
-    return Packing(R, P, width, T, src, dst, segments, prefix if shared else None)
+    for r in sorted(order, key=lambda r: (row_of[r], offset[r])):
+        p, n = row_of[r], int(lengths[r])
+        at = p * width + offset[r]
+        seg_count[p] += 1
+        src.flat[at : at + n] = r * T + np.arange(n)
+        dst[r, :n] = at + np.arange(n)
+        segments.flat[at : at + n] = seg_count[p]
+    return Packing(R, P, width, T, src, dst, segments)

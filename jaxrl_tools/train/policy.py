@@ -3,11 +3,11 @@
 A batch holds prompt + response tokens per row, right-padded: `tokens_BT`, `positions_BT`
 (0, 1, 2, ... on real tokens) and `attention_BT` (1 on real tokens). With `packed=True` a row
 holds several sequences back to back (`train.packing`): `attention_BT` numbers them (1, 2, ...)
-and the positions restart at each; the samples of one prompt may share it (`prefix_ids`: the
-segment of the prompt laid out once, which each of them also attends to). Per-token quantities
-are aligned to the token they score: `logp_BT[b, t] = log pi(tokens[b, t] | tokens[b, <t])`,
-so the first column is always 0 and `loss_mask_BT` marks the same positions as the rollout's
-mask.
+and the positions restart at each; the samples of one prompt may share it (`prompt_keys`:
+the prompt laid out once in a slot of its own, which each of them attends to). Per-token
+quantities are aligned to the token they score:
+`logp_BT[b, t] = log pi(tokens[b, t] | tokens[b, <t])`, so the first column is always 0 and
+`loss_mask_BT` marks the same positions as the rollout's mask.
 """
 
 import jax
@@ -40,7 +40,7 @@ def token_logprobs(
     entropy_grad: bool = False,
     attention: str = "auto",
     packed: bool = False,
-    prefix_ids: jax.Array | None = None,
+    prompt_keys: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-probs and entropies of each token under the policy, aligned to the tokens.
 
@@ -51,7 +51,7 @@ def token_logprobs(
     `remat` recomputes each decoder layer in the backward pass (memory for compute). The
     entropy carries no gradient unless `entropy_grad` (an entropy bonus needs it).
     `attention` picks the attention implementation (`models.attention.IMPLS`); `packed` rows hold
-    several sequences (module docstring), whose shared prompts `prefix_ids` name. The compute
+    several sequences (module docstring), whose shared prompts `prompt_keys` mark. The compute
     dtype is the params' (pass the compute-dtype cast of master weights, `models.DTypePolicy`);
     logits, log-softmax and entropy are float32 whatever it is.
 
@@ -68,7 +68,7 @@ def token_logprobs(
         attention=attention,
         right_padded=True,  # packed batches are right-padded (module docstring)
         packed=packed,
-        prefix_ids=prefix_ids,
+        prompt_keys=prompt_keys,
     )
     h, W = h_BTD[:, :-1], models.unembed(model_cfg, params)
     targets, mask = tokens_BT[:, 1:], loss_mask_BT[:, 1:]
@@ -115,7 +115,7 @@ def token_values(
     attention: str = "auto",
     packed: bool = False,
     remat: bool | str = False,
-    prefix_ids: jax.Array | None = None,
+    prompt_keys: jax.Array | None = None,
 ) -> jax.Array:
     """V_t, the value of the state in which token t is chosen, aligned to the tokens (float32).
     `remat` recomputes each layer of the trunk in the backward pass, as the policy's does."""
@@ -129,7 +129,7 @@ def token_values(
         right_padded=True,
         packed=packed,
         remat=remat,
-        prefix_ids=prefix_ids,
+        prompt_keys=prompt_keys,
     )
     head = critic_params["value_head"]
     v_BT = jnp.einsum("btd,d->bt", h_BTD.astype(jnp.float32), head["kernel"].astype(jnp.float32))

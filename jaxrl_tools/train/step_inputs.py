@@ -5,8 +5,8 @@ layout between them (`train.step`), built on the host with NumPy.
              `algorithm.tis_cap`, "correct" with VAPO's NLL term): the padded rows, or with
              `optim.pack` the sequences packed back to back ("attention" then holds segment ids;
              `train.packing`), P rounded up to mini-batches x micro-batches; with
-             `optim.share_prefix` each group's prompt once before its samples ("prefix": the
-             segment each token also attends to).
+             `optim.share_prefix` each group's prompt once in a prompt slot before its samples'
+             slots ("prompt_keys" [P, N, S]: the prompt-slot tokens each sample slot sees).
   estimator  what the advantage estimator reads: "scores_B", "row_mask_B" (1 on real rows: the
              count of real rows is data, not a shape) and the per-turn inputs or baseline the
              estimator declares; windowed episodes give one entry per turn ([E, S], with their
@@ -99,8 +99,8 @@ def step_inputs(batch: Batch, settings) -> tuple[dict, dict[str, float]]:
             packing = plan_packing(lengths, width, multiple=multiple, padded_width=T)
         rows = {k: packing.pack(v) for k, v in rows.items()}
         rows["attention"] = packing.segments_PT
-        if packing.prefix_PT is not None:
-            rows["prefix"] = packing.prefix_PT
+        if packing.prompt_keys_PNS is not None:
+            rows["prompt_keys"] = packing.prompt_keys_PNS
         if correct_R is not None:
             rows["correct"] = packing.pack_rows(correct_R)
         layout = {

@@ -27,8 +27,9 @@ from jaxrl_tools import models
 from jaxrl_tools.train import lora, objectives
 from jaxrl_tools.train.state import TrainState, make_optimizer, make_update
 
-# (+ "prefix": the shared prompt each token also attends to, `optim.share_prefix`)
-SEQUENCE_KEYS = ("tokens", "positions", "attention", "loss_mask", "prefix")
+# (+ "prompt_keys": [rows, N, S], the prompt-slot tokens each sample slot attends to,
+# `optim.share_prefix`)
+SEQUENCE_KEYS = ("tokens", "positions", "attention", "loss_mask", "prompt_keys")
 _ACTOR_KEYS = (*SEQUENCE_KEYS, "advantages", "correct", "old_logp", "ref_logp", "behaviour_logp")
 _CRITIC_KEYS = (*SEQUENCE_KEYS, "old_values", "returns")
 # An update is finite when these of its metrics are (its params and moments then are too).

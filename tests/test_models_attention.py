@@ -97,8 +97,8 @@ def test_chunked_equals_dense_for_decode_queries_over_a_cache_row():
 def test_auto_keeps_fp32_cpu_dense_and_goes_chunked_for_long_sequences():
     assert jax.default_backend() == "cpu"
     pick = functools.partial(A.select_impl, "auto", Dh=64, dtype=jnp.float32, has_lengths=True)
-    assert pick(T=2048, S=2048) == "dense"
-    assert pick(T=8192, S=8192) == "chunked"
+    assert pick(T=1024, S=1024) == "dense"
+    assert pick(T=2048, S=2048) == "chunked"
     assert pick(T=1, S=1 << 25) == "chunked"
     with pytest.raises(ValueError, match="not one of"):
         A.select_impl("flash", T=1, S=1, Dh=8, dtype=jnp.float32, has_lengths=False)

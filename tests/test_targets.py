@@ -373,8 +373,8 @@ def test_shared_prompt_rows_compile_for_the_target_with_its_kernel_on_the_prompt
     )
     # 8 rows of the same 256-token context and 256-token samples: slots of 256 and 2 x 272
     optim = dataclasses.replace(settings.optim, share_prefix=True, pack_width=1024)
-    settings = dataclasses.replace(settings, optim=optim)
-    rows = step_inputs(full_batch(8, 512), settings)[0]["rows"]
+    settings = dataclasses.replace(settings, optim=optim, group_size=8)
+    rows = step_inputs(full_batch(8, 512, group_size=8), settings)[0]["rows"]
     assert rows["tokens"].shape == (4, 256 + 2 * 272) and rows["prompt_keys"].shape == (4, 2, 256)
     compiled = {}
     mesh = sharding.make_mesh((1, -1, 1), devices)

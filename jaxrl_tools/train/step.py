@@ -267,7 +267,10 @@ class RLStep:
         sequence a row of its own: the most the step computes). What `plan` compiles."""
         s = self.settings
         baseline = "baseline_B" in algorithms.estimator_inputs(s.algorithm.adv_estimator)
-        inputs, _ = step_inputs(full_batch(rows, seq_len, step_len=step_len, baseline=baseline), s)
+        batch = full_batch(
+            rows, seq_len, step_len=step_len, baseline=baseline, group_size=s.group_size
+        )
+        inputs, _ = step_inputs(batch, s)
 
         def abstract(tree, shardings):
             if shardings is None or isinstance(shardings, NamedSharding):

@@ -128,15 +128,22 @@ def step_inputs(batch: Batch, settings) -> tuple[dict, dict[str, float]]:
     return inputs, metrics
 
 
-def full_batch(rows: int, length: int, *, step_len: int = 4, baseline: bool = False) -> Batch:
+def full_batch(
+    rows: int, length: int, *, step_len: int = 4, baseline: bool = False, group_size: int = 1
+) -> Batch:
     """A batch of `rows` sequences filling all `length` tokens (responses on the second half):
-    the most a step of that shape computes (packing leaves every sequence its own row). For
-    lowering the step on shapes (`plan`)."""
+    the most a step of that shape computes (packing leaves every sequence its own row; shared
+    prompts, `optim.share_prefix`, share one per `group_size` consecutive rows). For lowering
+    the step on shapes (`plan`)."""
     ones = np.ones((rows, length), np.int32)
+    tokens = ones.copy()
+    bits = min(length // 2, 30)  # each group's prompt opens with its index in binary (ids 1, 2)
+    group = np.arange(rows) // max(group_size, 1)
+    tokens[:, :bits] += (group[:, None] >> np.arange(bits)) & 1
     mask = np.zeros((rows, length), f32)
     mask[:, length // 2 :] = 1.0
     return Batch(
-        tokens_RT=ones,
+        tokens_RT=tokens,
         positions_RT=np.tile(np.arange(length, dtype=np.int32), (rows, 1)),
         attention_RT=ones,
         loss_mask_RT=mask,

@@ -8,7 +8,9 @@ row decodes all 64). Timed after one warm-up run (JAX compile excluded), HF and 
 interleaved; both sides include the prompt prefill. Prints tokens/s, the ratio, and the
 engine's time against its floor on this machine's roofline measured in the same process
 (`roofline.py`): the prefill's FLOPs and one read of the weights, plus every decode step's
-(`Roofline.decode_floor_s`, the live KV cache included). Like `jaxrl-tools` on CPU, the process
+(`Roofline.decode_floor_s`, the live KV cache included), and against its kernel floor measured
+in the same run (`kernel_floor.py`: the prefill's and each decode step's projection, MLP and LM
+head matmuls at their shapes, timed alone). Like `jaxrl-tools` on CPU, the process
 keeps freed memory in malloc's heap (`jaxrl_tools.host`); `--system-malloc` leaves glibc's default.
 
 Run: .venv/bin/python benchmarks/bench_decode.py [--batch 16] [--new 64] [--sample]
@@ -53,6 +55,7 @@ def main():
     args = ap.parse_args()
 
     import jax
+    import kernel_floor
     import torch
     from roofline import Roofline
 
@@ -76,6 +79,8 @@ def main():
         roof.decode_floor_s(n_mm, 4, B, models.cache_bytes(config, B, P + i)) for i in range(N)
     )
     print(roof.describe())
+    step_kernels = kernel_floor.forward_s(config, B)
+    kernels = kernel_floor.forward_s(config, B * P) + N * step_kernels
     print(
         f"model: {n_params / 1e6:.1f}M params, batch {B}, prompt {P}, new {N}, "
         f"torch threads {torch.get_num_threads()}, jax {jax.devices()[0].platform}"
@@ -147,6 +152,11 @@ def main():
         f"{statistics.median(jax_times):.3f} s, chunk {args.chunk}); {floor / min(jax_times):.0%} "
         f"of its floor ({floor * 1e3:.0f} ms) at its best run, "
         f"{floor / statistics.median(jax_times):.0%} at the median"
+    )
+    print(
+        f"kernel floor: {kernels * 1e3:.0f} ms ({step_kernels * 1e3:.2f} ms a decode step); "
+        f"the engine's median run {statistics.median(jax_times) / kernels:.2f}x it, best "
+        f"{min(jax_times) / kernels:.2f}x"
     )
     if not args.sample:
         same = float((jax_out == hf_out[:, P:].numpy()).mean())

@@ -279,6 +279,7 @@ def main():
     args = ap.parse_args()
     peer_dir = os.path.abspath(args.peer_dir)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import kernel_floor
     from roofline import Roofline
 
     from jaxrl_tools import host
@@ -424,6 +425,18 @@ def main():
     print(
         f"ours against the floor: {floor:.2f} s at the matmul rate; "
         f"median step {o_step / floor:.2f}x the floor, best {o_min / floor:.2f}x"
+    )
+    # The kernel floor (kernel_floor.py): the step's own matmuls timed alone, here.
+    cfg, rows = ours.model_cfg, P_PROMPTS * G
+    gen_kernels = kernel_floor.forward_s(cfg, rows * PROMPT_TOKENS) + NEW_TOKENS * (
+        kernel_floor.forward_s(cfg, rows)
+    )
+    upd_kernels = kernel_floor.update_s(cfg, rows * (PROMPT_TOKENS + NEW_TOKENS))
+    o_upd = med([r["update_s"] for r in timed])
+    print(
+        f"ours against the kernel floor: generate {gen_kernels:.2f} s, median "
+        f"{o_gen / gen_kernels:.2f}x; update {upd_kernels:.2f} s, median "
+        f"{o_upd / upd_kernels:.2f}x (best {min(r['update_s'] for r in timed) / upd_kernels:.2f}x)"
     )
     comp = [r["step_s"] for r in warm[:1]]
     print(

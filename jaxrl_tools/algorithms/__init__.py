@@ -12,6 +12,7 @@ Public API:
   aggregation LossTerms, aggregate, loss_denominator, verl_loss_denominator, LOSS_AGG_MODES
   losses      ppo_clip_loss, value_loss, entropy_loss, kl_loss, log_ratio,
               truncated_is_weights
+  off_policy  OffPolicyConfig, off_policy_weights, decoupled
   objective   PolicyLossConfig, policy_loss, POLICY_LOSSES, policy_loss_ratio_type,
               policy_loss_dual_clip
   kl          kl_penalty, apply_kl_penalty, KL_TYPES
@@ -80,6 +81,7 @@ from jaxrl_tools.algorithms.objective import (
     policy_loss_dual_clip,
     policy_loss_ratio_type,
 )
+from jaxrl_tools.algorithms.off_policy import OffPolicyConfig, decoupled, off_policy_weights
 from jaxrl_tools.algorithms.registry import (
     estimator_inputs,
     estimator_requirements,
@@ -99,6 +101,7 @@ __all__ = [
     "AdvantageConfig",
     "AdvantageInputs",
     "LossTerms",
+    "OffPolicyConfig",
     "PolicyLossConfig",
     "accuracy_band_filter",
     "aggregate",
@@ -107,6 +110,7 @@ __all__ = [
     "chunked_token_logprobs_and_entropy",
     "compute_advantages",
     "contiguous_groups",
+    "decoupled",
     "discounted_returns",
     "dynamic_sampling_filter",
     "entropy_loss",
@@ -128,6 +132,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "needs_critic",
+    "off_policy_weights",
     "policy_loss",
     "policy_loss_dual_clip",
     "policy_loss_ratio_type",

@@ -26,6 +26,7 @@ from jaxrl_tools.algorithms.losses import (
     ppo_clip_loss,
     truncated_is_weights,
 )
+from jaxrl_tools.algorithms.off_policy import OffPolicyConfig, off_policy_weights
 
 f32 = jnp.float32
 
@@ -81,6 +82,8 @@ class PolicyLossConfig:
         ``policy_loss_ratio_type(name)``.
       tis_cap: C of truncated importance sampling against the behaviour log-probs
         (``truncated_is_weights``), or None (off).
+      off_policy: any other correction against the behaviour log-probs
+        (``off_policy.off_policy_weights``); not with tis_cap.
     """
 
     clip_eps_low: float = 0.2
@@ -93,6 +96,7 @@ class PolicyLossConfig:
     max_len: int | None = None
     ratio_type: str = "token"
     tis_cap: float | None = None
+    off_policy: OffPolicyConfig = OffPolicyConfig()
 
     def __post_init__(self):
         if self.clip_eps_low < 0 or self.clip_eps_high < 0:
@@ -103,6 +107,8 @@ class PolicyLossConfig:
         check_dual_clip(self.dual_clip_c)
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"PolicyLossConfig.tis_cap must be > 0 (or None), got {self.tis_cap}")
+        if self.tis_cap is not None and self.off_policy.active:
+            raise ValueError("PolicyLossConfig: tis_cap and off_policy are two corrections")
         canonical_kl_type(self.kl_type)
         check_mode(self.loss_agg_mode, self.max_len)
         if self.ratio_type not in RATIO_TYPES:
@@ -159,12 +165,17 @@ def policy_loss(
     if denominator is None:
         denominator = loss_denominator(loss_mask_BT, mode, L, segment_ids_BT)
     is_weights, is_metrics = None, {}
+    if (config.tis_cap is not None or config.off_policy.active) and behaviour_logp_BT is None:
+        raise ValueError("policy_loss: an off-policy correction needs behaviour_logp_BT")
     if config.tis_cap is not None:
-        if behaviour_logp_BT is None:
-            raise ValueError("policy_loss: config.tis_cap needs behaviour_logp_BT")
         is_weights, is_metrics = truncated_is_weights(
             old_logp_BT, behaviour_logp_BT, loss_mask_BT, config.tis_cap
         )
+    elif config.off_policy.active:
+        is_weights, drift = off_policy_weights(
+            config.off_policy, old_logp_BT, behaviour_logp_BT, loss_mask_BT, segment_ids_BT
+        )
+        is_metrics = {f"off_policy/{k}": v for k, v in drift.items()}
     pg = ppo_clip_loss(
         logp_BT,
         old_logp_BT,

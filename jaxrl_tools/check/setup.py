@@ -191,10 +191,11 @@ def _check_rollout_placement(cfg: RunConfig, n_devices: int) -> None:
                 "base on its mesh too; use model.lora.decode=merged or drop rollout.mesh"
             )
     if t.async_rollouts:
-        if cfg.algorithm.tis_cap is None:
+        if not cfg.algorithm.corrects_off_policy:
             raise ConfigError(
                 "trainer.async_rollouts samples each batch with the weights of one update before: "
-                "set algorithm.tis_cap (the truncated importance-weight cap; 2.0 is usual)"
+                "set algorithm.tis_cap (the truncated importance-weight cap; 2.0 is usual) or "
+                "algorithm.off_policy"
             )
         if jax.process_count() > 1:
             raise ConfigError(

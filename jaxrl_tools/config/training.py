@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxrl_tools import algorithms
-from jaxrl_tools.config.checks import _check, _check_choice
+from jaxrl_tools.config.checks import ConfigError, _check, _check_choice
 from jaxrl_tools.train.state import SCHEDULES
 
 
@@ -43,6 +43,29 @@ class FiltersSection:
 
 
 @dataclass(frozen=True)
+class OffPolicySection:
+    """A correction for tokens sampled by another policy than the update's start
+    (`algorithms.off_policy`): an importance weight per token or sequence capped at `cap`, and a
+    mask per token, sequence or geometric mean dropping ratios outside [low, high]."""
+
+    weight: str | None = None  # token | sequence | null
+    cap: float | None = None  # null: uncapped
+    mask: str | None = None  # token | sequence | geometric | null
+    low: float = 0.0
+    high: float | None = None  # null: no upper bound
+
+    def __post_init__(self):
+        try:
+            self.correction()
+        except ValueError as e:
+            raise ConfigError(str(e).replace("OffPolicyConfig.", "algorithm.off_policy.")) from None
+
+    def correction(self) -> algorithms.OffPolicyConfig:
+        high = float("inf") if self.high is None else self.high
+        return algorithms.OffPolicyConfig(self.weight, self.cap, self.mask, self.low, high)
+
+
+@dataclass(frozen=True)
 class AlgorithmSection:
     """Advantage estimator, policy loss, KL and filters."""
 
@@ -69,6 +92,8 @@ class AlgorithmSection:
     # Truncated importance sampling against the sampler's log-probs: each token's policy loss is
     # weighted by min(pi_old / pi_behaviour, tis_cap); null = off (needed by async rollouts).
     tis_cap: float | None = None
+    # Any other correction (truncated or masked IS, token or sequence level, decoupled PPO).
+    off_policy: OffPolicySection = field(default_factory=OffPolicySection)
     filters: FiltersSection = field(default_factory=FiltersSection)
 
     def __post_init__(self):
@@ -121,6 +146,17 @@ class AlgorithmSection:
                 "algorithm.tis_cap",
                 f"must be >= 1 (2.0 is usual; null = off), got {self.tis_cap}",
             )
+            _check(
+                not self.off_policy.correction().active,
+                "algorithm.tis_cap",
+                "and algorithm.off_policy are two corrections: keep one (tis_cap C is "
+                "off_policy {weight: token, cap: C})",
+            )
+
+    @property
+    def corrects_off_policy(self) -> bool:
+        """Whether the loss reweights tokens by the sampler's log-probs."""
+        return self.tis_cap is not None or self.off_policy.correction().active
 
     @property
     def uses_critic(self) -> bool:

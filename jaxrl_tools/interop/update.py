@@ -104,7 +104,7 @@ class UpdateSettings:
             (a.policy_loss != "ppo_clip", "algorithm.policy_loss must be ppo_clip"),
             (a.kl_in_reward, "algorithm.kl_in_reward must be false (KL in the loss only)"),
             (a.nll_coef > 0, "algorithm.nll_coef must be 0"),
-            (a.tis_cap is not None, "algorithm.tis_cap must be null"),
+            (a.corrects_off_policy, "algorithm.tis_cap and algorithm.off_policy must be off"),
         ):
             if bad:
                 raise ConfigError(f"repro: {why}")

@@ -34,6 +34,7 @@ def policy_loss_config(a: AlgorithmSection, max_response_len: int) -> algorithms
         max_len=max_response_len,
         ratio_type=algorithms.policy_loss_ratio_type(a.policy_loss),
         tis_cap=a.tis_cap,
+        off_policy=a.off_policy.correction(),
     )
 
 

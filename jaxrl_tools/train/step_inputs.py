@@ -82,7 +82,7 @@ def step_inputs(batch: Batch, settings) -> tuple[dict, dict[str, float]]:
         "attention": batch.attention_RT,
         "loss_mask": batch.loss_mask_RT,
     }
-    if a.tis_cap is not None:  # truncated IS against the sampler's log-probs
+    if a.corrects_off_policy:  # weights against the sampler's log-probs
         rows["behaviour_logp"] = batch.behaviour_logp_RT
     correct_R = (batch.scores_R > 0).astype(f32) if a.nll_coef else None
     layout, metrics = {}, {}

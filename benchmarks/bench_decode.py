@@ -10,8 +10,10 @@ engine's time against its floor on this machine's roofline measured in the same 
 (`roofline.py`): the prefill's FLOPs and one read of the weights, plus every decode step's
 (`Roofline.decode_floor_s`, the live KV cache included), and against its kernel floor measured
 in the same run (`kernel_floor.py`: the prefill's and each decode step's projection, MLP and LM
-head matmuls at their shapes, timed alone). Like `jaxrl-tools` on CPU, the process
-keeps freed memory in malloc's heap (`jaxrl_tools.host`); `--system-malloc` leaves glibc's default.
+head matmuls at their shapes, timed alone); then a decode step alone (the chunks' wall time
+after the prompts' slot writes have finished, per step) against one step's kernel floor, the
+figure of issue 40's target (<= 1.15x). Like `jaxrl-tools` on CPU, the process keeps freed
+memory in malloc's heap (`jaxrl_tools.host`); `--system-malloc` leaves glibc's default.
 
 Run: .venv/bin/python benchmarks/bench_decode.py [--batch 16] [--new 64] [--sample]
 """
@@ -115,15 +117,20 @@ def main():
     )
     key = jax.random.PRNGKey(0)
 
+    step_times = []  # each run's decode steps alone (prefill excluded), seconds a step
+
     def jax_run():
         state = eng.init_decode_state()
         state = eng.write_slots(
             params, state, list(range(B)), prompts, starts=[0] * B, reset=[(key, sampling)] * B
         )
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
         toks = []
         for _ in range(N // args.chunk):
             state, out = eng.generate_steps(params, state, args.chunk)
             toks.append(np.asarray(out.tokens))
+        step_times.append((time.perf_counter() - t0) / (N // args.chunk * args.chunk))
         return np.concatenate(toks, axis=1)
 
     def timed(fn):
@@ -133,6 +140,7 @@ def main():
         return time.perf_counter() - t0, out
 
     hf_out, jax_out = hf_run(), jax_run()  # warm-up (JAX compiles here)
+    step_times.clear()
     # Interleaved, so that load from other jobs on the machine hits both sides alike.
     hf_times, jax_times = [], []
     for _ in range(args.repeats):
@@ -157,6 +165,12 @@ def main():
         f"kernel floor: {kernels * 1e3:.0f} ms ({step_kernels * 1e3:.2f} ms a decode step); "
         f"the engine's median run {statistics.median(jax_times) / kernels:.2f}x it, best "
         f"{min(jax_times) / kernels:.2f}x"
+    )
+    step = statistics.median(step_times)
+    print(
+        f"decode step alone: engine {step * 1e3:.2f} ms/step, kernel floor "
+        f"{step_kernels * 1e3:.2f} ms/step, {step / step_kernels:.2f}x it (best "
+        f"{min(step_times) / step_kernels:.2f}x; target 1.15x)"
     )
     if not args.sample:
         same = float((jax_out == hf_out[:, P:].numpy()).mean())

@@ -427,11 +427,11 @@ def main():
         f"median step {o_step / floor:.2f}x the floor, best {o_min / floor:.2f}x"
     )
     # The kernel floor (kernel_floor.py): the step's own matmuls timed alone, here.
-    cfg, rows = ours.model_cfg, P_PROMPTS * G
-    gen_kernels = kernel_floor.forward_s(cfg, rows * PROMPT_TOKENS) + NEW_TOKENS * (
-        kernel_floor.forward_s(cfg, rows)
+    cfg, n_seqs = ours.model_cfg, P_PROMPTS * G  # `rows` is the table's, written to --json
+    gen_kernels = kernel_floor.forward_s(cfg, n_seqs * PROMPT_TOKENS) + NEW_TOKENS * (
+        kernel_floor.forward_s(cfg, n_seqs)
     )
-    upd_kernels = kernel_floor.update_s(cfg, rows * (PROMPT_TOKENS + NEW_TOKENS))
+    upd_kernels = kernel_floor.update_s(cfg, n_seqs * (PROMPT_TOKENS + NEW_TOKENS))
     o_upd = med([r["update_s"] for r in timed])
     print(
         f"ours against the kernel floor: generate {gen_kernels:.2f} s, median "

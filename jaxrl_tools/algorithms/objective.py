@@ -166,7 +166,8 @@ def policy_loss(
         denominator = loss_denominator(loss_mask_BT, mode, L, segment_ids_BT)
     is_weights, is_metrics = None, {}
     if (config.tis_cap is not None or config.off_policy.active) and behaviour_logp_BT is None:
-        raise ValueError("policy_loss: an off-policy correction needs behaviour_logp_BT")
+        which = "tis_cap" if config.tis_cap is not None else "off_policy"
+        raise ValueError(f"policy_loss: config.{which} needs behaviour_logp_BT")
     if config.tis_cap is not None:
         is_weights, is_metrics = truncated_is_weights(
             old_logp_BT, behaviour_logp_BT, loss_mask_BT, config.tis_cap

@@ -2,7 +2,7 @@
 
 The demo's recipe (`configs/grpo_tool_math.yaml`: tiny Qwen2, the sandboxed Python tool, GRPO,
 8 prompts x 8 samples): a short SFT warm-up (so the policy calls the tool), then the same RL run
-twice from the same weights in this process: with `trainer.async_rollouts` off and on (both with
+twice from the same weights in this process: with `trainer.max_staleness` 0 and 1 (both with
 `algorithm.tis_cap: 2`). With async rollouts, step k+1's batch is sampled while step k's update
 runs. Prints the median step time of each after the first (compile) steps, its parts, the
 ratio, and the asynchronous run's importance-weight statistics.
@@ -59,12 +59,12 @@ def main():
     results = {}
     for name, on in (("on-policy", "false"), ("async", "true")):
         start = jax.tree.map(jnp.copy, sft_params)  # the update donates its input
-        run.train(config(name, async_rollouts=on), init_params=start)
+        run.train(config(name, max_staleness=int(on)), init_params=start)
         lines = (tmp / name / "logs" / "metrics.jsonl").read_text().splitlines()
         records = [json.loads(line) for line in lines][args.skip :]
         keys = ["time/step_s", "time/rollout_s", "time/update_s", "tools/calls_per_response"]
         if on == "true":
-            keys += ["async/rollout_wait_s", "actor/is_weight_mean", "actor/is_truncated_frac"]
+            keys += ["async/trainer_wait_s", "actor/is_weight_mean", "actor/is_truncated_frac"]
         results[name] = {k: statistics.median(r[k] for r in records) for k in keys}
         results[name]["reward_mean_last"] = records[-1]["reward/mean"]
 

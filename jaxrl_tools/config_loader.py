@@ -37,6 +37,12 @@ def _strip_optional(tp):
     return tp
 
 
+# Keys that were replaced: what to write instead.
+_REPLACED_KEYS = {
+    "trainer.async_rollouts": " (replaced: write trainer.max_staleness: 1 for what true was)",
+}
+
+
 def _validate_keys(cls, raw: Any, path: str) -> Any:
     """Check `raw` against dataclass `cls`: unknown keys and non-mappings are ConfigErrors.
 
@@ -54,6 +60,7 @@ def _validate_keys(cls, raw: Any, path: str) -> Any:
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = _REPLACED_KEYS.get(full, hint)
             raise ConfigError(f"unknown key '{full}'{hint}; valid keys for {where}: {names}")
         tp = _strip_optional(hints[key])
         if tp in (int, float) and isinstance(value, bool):

@@ -91,6 +91,8 @@ class Trajectory:
         the same way.
       agent_reward: the reward an agent written as client code returned (`rollout.agent`);
         None: the recipe's reward scores the trajectory.
+      versions: the policy version each model token was sampled with, in order (one per 1 of
+        loss_mask), when rollouts run ahead of the update (`rollout.ahead`); empty otherwise.
     """
 
     prompt_index: int
@@ -112,6 +114,7 @@ class Trajectory:
     env_seed: int | None = None
     turns: list[Trajectory] | None = None
     agent_reward: float | None = None
+    versions: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,12 +1,16 @@
-"""One-step asynchronous rollouts (`trainer.async_rollouts`) with truncated importance sampling.
+"""Rollouts ahead of the update (`trainer.max_staleness`), with off-policy corrections.
 
-The tiny RL run of tests/test_resume.py, three steps: step 1's batch is sampled with the current
-weights (staleness 0), so its importance weights pi_old / pi_behaviour (the trainer's forward
-against the engine's log-probs of the same tokens) are 1 to float tolerance; steps 2 and 3 were
-sampled during the previous update with the weights before it (staleness 1), so theirs are not.
+The tiny RL run of tests/test_resume.py. Batch b is sampled with the weights after update
+max(0, b - 1 - k) (the fixed schedule of `rollout.ahead`), so with k = 2 the batches of steps
+1-4 are 0, 1, 2 and 2 versions old: every token's recorded version says so. Step 1's batch is
+sampled with the current weights, so its importance weights pi_old / pi_behaviour (the trainer's
+forward against the engine's log-probs of the same tokens) are 1 to float tolerance; later ones
+are stale and reweighted. With partial rollouts (k = 1) a rollout takes newer weights between
+decode chunks and no token is older than the bound.
 """
 
 import json
+import threading
 import time
 
 import pytest
@@ -15,6 +19,7 @@ from fakes import tiny_run_config
 from jaxrl_tools import run
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import config_from_dict
+from jaxrl_tools.rollout import ahead
 
 
 def text_reward(response: str, ground_truth=None, info=None) -> float:
@@ -23,7 +28,7 @@ def text_reward(response: str, ground_truth=None, info=None) -> float:
     return (len(set(response)) % 3) / 2.0
 
 
-def _config(tmp, name, tis_cap=2.0):
+def _config(tmp, name, steps=4, tis_cap=2.0, **trainer):
     return config_from_dict(
         tiny_run_config(
             tmp,
@@ -31,36 +36,101 @@ def _config(tmp, name, tis_cap=2.0):
             "test_async_rollouts:text_reward",
             rollout={"protocol": "none", "max_response_len": 16},
             algorithm={"tis_cap": tis_cap},
-            trainer={"steps": 3, "checkpoint_every": 0, "async_rollouts": True},
+            trainer={"steps": steps, "checkpoint_every": 0, **trainer},
         )
     )
+
+
+def _records(tmp, name):
+    lines = (tmp / name / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("async")
-    run.train(_config(tmp, "async"))
-    lines = (tmp / "async" / "logs" / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    run.train(_config(tmp, "ahead", max_staleness=2))
+    return _records(tmp, "ahead")
+
+
+def test_every_batch_is_as_stale_as_the_schedule_says(records):
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:  # every token of batch b has version max(0, b - 3)
+        assert r["async/staleness_max"] == min(r["step"] - 1, 2)
+        assert r["async/staleness_mean"] == r["async/staleness_max"]
+        assert r["async/trainer_wait_s"] >= 0 and r["async/rollout_gate_s"] >= 0
+        assert r["async/partial_swaps"] == 0
 
 
 def test_the_first_batch_is_on_policy_and_its_weights_are_one(records):
     first = records[0]
-    assert first["async/staleness"] == 0
     assert first["actor/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
     assert first["actor/is_weight_max"] == pytest.approx(1.0, abs=1e-4)
     assert first["actor/is_truncated_frac"] == 0
 
 
-def test_later_batches_are_one_update_stale_and_reweighted(records):
-    assert [r["step"] for r in records] == [1, 2, 3]
+def test_later_batches_are_stale_and_reweighted(records):
     for r in records[1:]:
-        assert r["async/staleness"] == 1
-        # The update moved the policy: its log-probs of the sampled tokens differ.
+        # The updates moved the policy: its log-probs of the sampled tokens differ.
         assert abs(r["actor/is_weight_max"] - 1.0) > 1e-3
-        assert r["time/step_s"] > 0 and r["async/rollout_wait_s"] >= 0
 
 
-def test_async_rollouts_need_the_importance_weight_cap(tmp_path):
-    with pytest.raises(ConfigError, match="set algorithm.tis_cap"):
-        run.train(_config(tmp_path, "nocap", tis_cap=None))
+def test_partial_rollouts_take_newer_weights_within_the_bound(tmp_path):
+    run.train(_config(tmp_path, "partial", steps=3, max_staleness=1, partial_rollouts=True))
+    records = _records(tmp_path, "partial")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert 0 <= r["async/staleness_mean"] <= r["async/staleness_max"] <= 1
+    # Update 1 is dispatched while batch 2 decodes; that rollout goes on with its weights.
+    assert sum(r["async/partial_swaps"] for r in records) >= 1
+
+
+def test_the_schedule_bounds_versions_and_orders_device_work():
+    """The pipeline alone, with a fake rollout of 30 decode passes: the main thread's work runs
+    only between passes (never during one), the weights a batch starts from are the
+    schedule's, and partial rollouts move to newer weights mid-rollout."""
+    k, last = 2, 6
+    log, in_pass = [], threading.Event()
+
+    def rollout(b, params):
+        cur = ahead.CURRENT.get()
+        versions = []
+        assert params == cur.version_for(b)  # the weights of that version
+        for _ in range(30):
+            cur.at_pass()
+            in_pass.set()
+            versions.append(cur.version)
+            time.sleep(0.002)
+            in_pass.clear()
+        return versions
+
+    pipe = ahead.RolloutsAhead(rollout, 0, start=0, last=last, max_staleness=k, partial=True)
+    try:
+        for step in range(1, last + 1):
+            versions, _ = pipe.take(step)
+            log.append(versions)
+
+            def update(step=step):
+                assert not in_pass.is_set()
+                if pipe.wanted(step):
+                    pipe.publish(step, step)  # "weights" of version step: the number itself
+
+            pipe.turn(update)
+            time.sleep(0.01)
+    finally:
+        pipe.close()
+    for b, versions in enumerate(log, start=1):
+        assert versions == sorted(versions)
+        assert min(versions) >= max(0, b - 1 - k)  # never older than the bound
+        assert max(versions) <= b - 1  # nor newer than the update's own start
+    assert any(len(set(v)) > 1 for v in log)  # some rollout switched weights midway
+
+
+def test_stale_rollouts_need_a_correction(tmp_path):
+    with pytest.raises(ConfigError, match="algorithm.off_policy"):
+        run.train(_config(tmp_path, "nocap", tis_cap=None, max_staleness=1))
+
+
+def test_the_old_key_says_what_replaced_it(tmp_path):
+    with pytest.raises(ConfigError, match="trainer.max_staleness: 1"):
+        _config(tmp_path, "old", async_rollouts=True)

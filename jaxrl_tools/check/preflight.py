@@ -177,7 +177,12 @@ def preflight(cfg: RunConfig, *, needs_eval: bool = False) -> dict[str, Any]:
         "devices": f"{n_devices} {platform}; mesh {'x'.join(map(str, mesh_shape))} "
         "(data x fsdp x tensor)"
         + ("" if r.mesh is None else f", decode on {r.mesh}")
-        + (", rollouts one step ahead" if cfg.trainer.async_rollouts else ""),
+        + (
+            f", rollouts up to {cfg.trainer.max_staleness} version(s) ahead"
+            + (" (partial)" if cfg.trainer.partial_rollouts else "")
+            if cfg.trainer.max_staleness
+            else ""
+        ),
         "batch": f"{d.batch_size} prompts x {r.group_size} samples"
         + (f" x {cfg.env.max_turns} turns" if cfg.env.windowed else "")
         + f" = {rows} sequences per step: "

@@ -144,7 +144,7 @@ def check_ground_truths(cfg: RunConfig, records: dict[str, Sequence[dict]]) -> N
 
 def check_mesh(cfg: RunConfig) -> tuple[tuple[int, int, int], int, list[str]]:
     """The mesh fits the visible devices, and the rollout's mesh (`rollout.mesh`) and
-    asynchronous rollouts (`trainer.async_rollouts`) fit the run.
+    rollouts ahead of the update (`trainer.max_staleness`) fit the run.
 
     Returns:
       ((data, fsdp, tensor) the run will use, visible device count, warnings).
@@ -190,19 +190,18 @@ def _check_rollout_placement(cfg: RunConfig, n_devices: int) -> None:
                 "rollout.mesh with model.lora.decode=adapters: the engine would need the frozen "
                 "base on its mesh too; use model.lora.decode=merged or drop rollout.mesh"
             )
-    if t.async_rollouts:
-        if not cfg.algorithm.corrects_off_policy:
-            raise ConfigError(
-                "trainer.async_rollouts samples each batch with the weights of one update before: "
-                "set algorithm.tis_cap (the truncated importance-weight cap; 2.0 is usual) or "
-                "algorithm.off_policy"
-            )
-        if jax.process_count() > 1:
-            raise ConfigError(
-                f"trainer.async_rollouts runs in one process, not {jax.process_count()}: the "
-                "rollout thread's device calls would interleave with the update's in a different "
-                "order in each process; set trainer.async_rollouts=false"
-            )
+    if t.max_staleness and not cfg.algorithm.corrects_off_policy:
+        raise ConfigError(
+            f"trainer.max_staleness={t.max_staleness} samples batches with weights up to "
+            f"{t.max_staleness} update(s) old: set algorithm.off_policy (e.g. {{weight: token, "
+            "cap: 2.0}) or algorithm.tis_cap (2.0 is usual)"
+        )
+    if t.max_staleness and jax.process_count() > 1:
+        raise ConfigError(
+            f"trainer.max_staleness runs in one process, not {jax.process_count()}: the agreed "
+            "order of its device calls is not yet proven across processes; set "
+            "trainer.max_staleness=0"
+        )
     if r.agent is not None and jax.process_count() > 1:
         raise ConfigError(
             f"rollout.agent runs in one process, not {jax.process_count()}: the agent is "

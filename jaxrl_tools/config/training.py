@@ -306,9 +306,14 @@ class TrainerSection:
     log_every: int = 1
     eval_every: int = 0  # 0 = off
     run_name: str = "run"
-    # One-step off-policy: the next batch is sampled (with the weights before this update) while
-    # this one trains; staleness <= 1, corrected by algorithm.tis_cap. One process only.
-    async_rollouts: bool = False
+    # Rollouts ahead of the update (`rollout.ahead`): batch b is sampled with the weights after
+    # update b - 1 - k while earlier updates run, so its tokens are at most k versions old (an
+    # off-policy correction is required: algorithm.tis_cap or algorithm.off_policy); 0 = on-policy.
+    max_staleness: int = 0
+    # With max_staleness >= 1: a rollout still decoding when newer weights are published
+    # continues with them (its earlier tokens keep their version); false: it finishes on the
+    # weights it started with.
+    partial_rollouts: bool = False
     # jax's persistent compilation cache (every compile over a second): a second run of the same
     # programs loads them instead of compiling; null = off. JAX_COMPILATION_CACHE_DIR wins.
     compile_cache_dir: str | None = "runs/xla_cache"
@@ -338,6 +343,12 @@ class TrainerSection:
         )
         _check(self.log_samples_every >= 0, "trainer.log_samples_every", "must be >= 0 (0 = off)")
         _check_choice(self.on_nonfinite, "trainer.on_nonfinite", ("stop", "skip_step"))
+        _check(self.max_staleness >= 0, "trainer.max_staleness", "must be >= 0 (0 = on-policy)")
+        _check(
+            not self.partial_rollouts or self.max_staleness >= 1,
+            "trainer.partial_rollouts",
+            "needs trainer.max_staleness >= 1 (on-policy rollouts never see newer weights)",
+        )
         _check(
             self.mesh == "auto" or re.fullmatch(r"\d+x\d+x\d+", self.mesh) is not None,
             "trainer.mesh",

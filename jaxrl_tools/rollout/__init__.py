@@ -3,7 +3,7 @@ sampling, the pure stop scan, the host-side agent loop (`scheduler`: which sampl
 which slot; `resolver`: what an ended segment becomes; `loop`: the driver over the engine), the
 run's records -> trajectories sampler, and one-step asynchronous rollouts (`ahead`)."""
 
-from jaxrl_tools.rollout.ahead import AsyncRollouts
+from jaxrl_tools.rollout.ahead import RolloutsAhead
 from jaxrl_tools.rollout.engine import EngineCore
 from jaxrl_tools.rollout.kernels import DecodeState, Prefix, StepOutput, next_pow2
 from jaxrl_tools.rollout.loop import BUDGET_NOTICE, RolloutLimits, arun_rollouts, run_rollouts
@@ -11,7 +11,7 @@ from jaxrl_tools.rollout.sampler import Sampler, declares_tools, make_engine
 from jaxrl_tools.rollout.sampling import GREEDY, SamplingParams
 
 __all__ = [
-    "AsyncRollouts",
+    "RolloutsAhead",
     "BUDGET_NOTICE",
     "DecodeState",
     "EngineCore",

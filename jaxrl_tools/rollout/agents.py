@@ -279,6 +279,7 @@ def _episode_trajectory(ep: _Episode, reward: float | None, as_turns: bool) -> T
             t.response_ids += p.response_ids
             t.loss_mask += p.loss_mask
             t.logprobs += p.logprobs
+            t.versions += p.versions
             t.spans.append(Span("model", start, len(t.response_ids)))
             t.tool_calls += p.tool_calls
         t.finish_reason = parts[-1].finish_reason

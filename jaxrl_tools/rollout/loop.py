@@ -53,6 +53,7 @@ import jax
 import numpy as np
 
 from jaxrl_tools.prompts import encode_prompt
+from jaxrl_tools.rollout import ahead
 from jaxrl_tools.rollout.resolver import (
     BUDGET_NOTICE,
     OVER_BUDGET,
@@ -264,6 +265,10 @@ class Driver:
         self.shared = jax.process_count() > 1
         self.generate_s = 0.0
         self.state = engine.init_decode_state()
+        # Rollouts ahead of the update (`ahead.RolloutsAhead`): between passes the update's
+        # device work runs and newer weights may come in; tokens record their weights' version.
+        self.ahead = ahead.CURRENT.get()
+        self.version = None if self.ahead is None else self.ahead.version
 
     def add(self, sample: Sample) -> None:
         """Queues a sample while the driver runs; its `index` must be `len(samples)`."""
@@ -284,6 +289,9 @@ class Driver:
 
     async def run(self) -> list[Trajectory]:
         while self.sched.busy or self.open:
+            if self.ahead is not None:
+                self.ahead.at_pass()
+                self.params, self.version = self.ahead.params, self.ahead.version
             appends = await self._take_results()
             self._schedule(appends)
             active = self.sched.active()
@@ -390,7 +398,9 @@ class Driver:
             wake = asyncio.ensure_future(self._wake.wait())
             waits.append(wake)
         if waits:
-            timeout = 0.05 if self.shared else None
+            # Short waits where the next pass has work of its own: agreeing with the other
+            # processes, or the update waiting for its turn while the tools run.
+            timeout = 0.05 if self.shared or self.ahead is not None else None
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED, timeout=timeout)
         if wake is not None:
             wake.cancel()
@@ -432,7 +442,7 @@ class Driver:
         )
         if reason == "length" and turn_room < room and s.max_new is None:
             reason = "turn_length"  # the turn's cap, not the response's
-        s.add_model(toks[:keep], lps[:keep])
+        s.add_model(toks[:keep], lps[:keep], self.version)
         if s.on_tokens is not None and keep:
             s.on_tokens(toks[:keep], [float(x) for x in lps[:keep]])
         if reason is None:

@@ -102,7 +102,7 @@ class Sample:
         """Model tokens kept so far (the engine's `sampled` counter of its row)."""
         return sum(self.traj.loss_mask)
 
-    def add_model(self, toks, lps) -> None:
+    def add_model(self, toks, lps, version: int | None = None) -> None:
         t = self.traj
         if not toks:
             return
@@ -113,6 +113,8 @@ class Sample:
         t.response_ids.extend(int(x) for x in toks)
         t.loss_mask.extend([1] * len(toks))
         t.logprobs.extend(float(x) for x in lps)
+        if version is not None:
+            t.versions.extend([version] * len(toks))
 
     def add_observation(self, obs: Append) -> None:
         t = self.traj

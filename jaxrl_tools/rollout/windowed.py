@@ -50,6 +50,7 @@ class _Episode:
         t.response_ids += turn.response_ids
         t.loss_mask += turn.loss_mask
         t.logprobs += turn.logprobs
+        t.versions += turn.versions
         t.spans.append(Span("model", start, len(t.response_ids)))
 
 

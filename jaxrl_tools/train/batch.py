@@ -451,6 +451,10 @@ def collect_batch(
     metrics["filter/kept_groups_frac"] = len(kept_records) / max(1, groups_seen)
     metrics["filter/batch_fill"] = len(kept_records) / max(1, need)
     metrics["rollout/tokens"] = float(sum(len(t.response_ids) for t in sampled))
+    versions = np.concatenate([np.asarray(t.versions, np.float64) for t in sampled] or [[]])
+    if versions.size:  # sampled ahead of the update (`rollout.ahead`)
+        metrics["rollout/version_min"] = float(versions.min())
+        metrics["rollout/version_mean"] = float(versions.mean())
     if samples:
         metrics["_samples"] = rows_out
     base = None

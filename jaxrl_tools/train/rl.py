@@ -261,13 +261,25 @@ class RLTrainer:
 
     def step(self, batch: Batch) -> dict[str, float]:
         """One RL step on a Batch; returns the batch's metrics plus the step's."""
-        metrics = dict(batch.metrics)
-        if batch.num_rows == 0:  # every group filtered out
-            metrics["time/update_s"] = 0.0
-            return metrics
+        return self.finish(self.dispatch(batch))
+
+    def dispatch(self, batch: Batch) -> tuple:
+        """Places the batch and dispatches the step's device work (asynchronously: the update
+        runs while the host goes on); `finish` reads its metrics."""
         t0 = time.perf_counter()
+        if batch.num_rows == 0:  # every group filtered out
+            return batch, {}, None, t0
         inputs, host_metrics = self._inputs(batch)
         self.rl_state, step_metrics = self.step_fn(self.rl_state, inputs)
+        return batch, host_metrics, step_metrics, t0
+
+    def finish(self, dispatched: tuple) -> dict[str, float]:
+        """The metrics of a dispatched step (waits for it)."""
+        batch, host_metrics, step_metrics, t0 = dispatched
+        metrics = dict(batch.metrics)
+        if step_metrics is None:
+            metrics["time/update_s"] = 0.0
+            return metrics
         step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
         if step_metrics.pop("actor/moved", 1.0) == 0.0:  # VAPO's value pre-training
             step_metrics = {k: v for k, v in step_metrics.items() if not k.startswith("actor/")}

@@ -2,8 +2,10 @@
 
 `run_steps` samples each step's batch (`collect_batch`, DAPO's rounds included), runs the
 trainer's step, logs, evaluates every `trainer.eval_every` steps and checkpoints what a resumed
-run continues from (the policy, the data and sampler streams). With `trainer.async_rollouts` the
-next batch is sampled with the weights before this update while it runs (staleness 1).
+run continues from (the policy, the data and sampler streams). With `trainer.max_staleness: k`
+the batches are sampled up to k policy versions ahead of the updates, in a worker thread
+(`rollout.ahead.RolloutsAhead`), and the update's device work takes its turn in the worker's
+sequence of device calls.
 `run.train` builds the parts and calls it.
 """
 
@@ -15,7 +17,7 @@ from typing import Any
 
 from jaxrl_tools import algorithms
 from jaxrl_tools.config import RunConfig
-from jaxrl_tools.rollout import AsyncRollouts, Sampler
+from jaxrl_tools.rollout import RolloutsAhead, Sampler
 from jaxrl_tools.train.batch import collect_batch
 from jaxrl_tools.train.checkpoint import Checkpointer
 from jaxrl_tools.train.metrics import MetricsLogger, public
@@ -70,23 +72,40 @@ def run_steps(
         batch.metrics.update(sampler.take_metrics())
         return batch, time.perf_counter() - t0
 
-    ahead = AsyncRollouts(rollout) if t.async_rollouts else None
+    def streams() -> dict:
+        return {"data": loader.get_state(), "sampler": sampler.state()}
+
+    ahead = None
+    if t.max_staleness and start < t.steps:
+        ahead = RolloutsAhead(
+            rollout,
+            sampler.engine.serving_copy(trainer.params),
+            start=start,
+            last=t.steps,
+            max_staleness=t.max_staleness,
+            partial=t.partial_rollouts,
+            streams=streams,
+        )
+
+    def update(batch):
+        """Dispatches the update; with rollouts ahead, publishes its weights for them."""
+        dispatched = trainer.dispatch(batch)
+        if ahead is not None and ahead.wanted(step):
+            ahead.publish(step, sampler.engine.serving_copy(trainer.params))
+        return dispatched
+
+    # Device work of this thread: with rollouts ahead, in its turn of the worker's sequence.
+    turn = (lambda work: work()) if ahead is None else ahead.turn
     try:
         with StopOnSignal() as stop:
             for step in range(start + 1, t.steps + 1):
                 t0 = time.perf_counter()
-                if ahead is not None and ahead.pending:
-                    (batch, rollout_s), staleness = ahead.result(), 1
+                if ahead is not None:
+                    (batch, rollout_s), pipeline = ahead.take(step)
                 else:
-                    (batch, rollout_s), staleness = rollout(step, trainer.params), 0
-                wait_s = time.perf_counter() - t0
+                    (batch, rollout_s), pipeline = rollout(step, trainer.params), {}
                 samples = batch.metrics.pop("_samples", None)  # rows, not a metric
-                streams = None  # with a batch sampled ahead: the data and sampler streams before it
-                if ahead is not None and step < t.steps and stop.signum is None:
-                    streams = {"data": loader.get_state(), "sampler": sampler.state()}
-                    # The next batch, sampled with the weights before this update.
-                    ahead.start(step + 1, sampler.engine.serving_copy(trainer.params))
-                metrics = trainer.step(batch)
+                metrics = trainer.finish(turn(lambda: update(batch)))  # noqa: B023
                 if diverged := trainer.diverged(metrics):  # nothing of this step is saved
                     logger.log(step, metrics)
                     ckpt.wait()
@@ -94,24 +113,23 @@ def run_steps(
                 metrics["time/rollout_s"] = rollout_s
                 n_tokens = batch.metrics["rollout/tokens"]
                 metrics["throughput/rollout_tokens_per_s"] = n_tokens / max(rollout_s, 1e-9)
-                if ahead is not None:
-                    metrics["async/staleness"] = float(staleness)
-                    metrics["async/rollout_wait_s"] = wait_s
+                metrics.update(pipeline, **_staleness(metrics, step))
                 metrics["time/step_s"] = time.perf_counter() - t0
                 if t.eval_every and step % t.eval_every == 0 and step != t.steps:
-                    if ahead is not None:
-                        ahead.wait()  # one engine: the batch sampled ahead finishes first
-                    ev = evaluate(trainer.params, step)
+                    ev = turn(lambda: evaluate(trainer.params, step))  # noqa: B023
                     metrics.update({f"eval/{k}": v for k, v in public(ev).items()})
                 if step % t.log_every == 0 or step == t.steps:
                     logger.log(step, metrics)
                 if samples:
                     logger.log_samples(step, samples)
-                # What a resumed run continues from (a batch sampled ahead is sampled again).
-                extras = streams or {"data": loader.get_state(), "sampler": sampler.state()}
+                # What a resumed run continues from: the streams before the batches sampled
+                # ahead (those are sampled again, with the checkpoint's weights).
+                before = ahead.streams_before(step + 1) if ahead is not None else None
+                extras = before or streams()
                 extras["metrics"] = public(metrics)
                 last = step == t.steps or stop.signum is not None
-                if ckpt.save(step, trainer.checkpoint_state(), extras, force=last):
+                state = trainer.checkpoint_state()
+                if turn(lambda: ckpt.save(step, state, extras, force=last)):  # noqa: B023
                     logger.flush()  # what the checkpoint covers is on disk too
                 if stop.signum is not None and step != t.steps:
                     ckpt.wait()
@@ -120,3 +138,14 @@ def run_steps(
     finally:
         if ahead is not None:
             ahead.close()
+
+
+def _staleness(metrics: dict, step: int) -> dict[str, float]:
+    """How many versions older than the update's starting weights (version step - 1) the
+    batch's model tokens are: the most and the mean (`Trajectory.versions`)."""
+    if "rollout/version_min" not in metrics:
+        return {}
+    return {
+        "async/staleness_max": step - 1 - metrics.pop("rollout/version_min"),
+        "async/staleness_mean": step - 1 - metrics.pop("rollout/version_mean"),
+    }

@@ -44,7 +44,7 @@ class RolloutsAhead:
     Args:
       rollout: rollout(b, params) -> batch b (any value), sampled with `params`; runs in the
         worker thread. Its exceptions are raised by `take`.
-      params: the weights of version `start` (the worker's copy: `snapshot` semantics).
+      params: the weights of version `start`, in buffers the trainer will not donate.
       start: the run's first version (the step it resumed from; 0 for a fresh run).
       last: the last batch to sample (the run's last step).
       max_staleness: k >= 1.
@@ -70,7 +70,6 @@ class RolloutsAhead:
         self.k, self.partial, self._streams = max_staleness, partial, streams
         self._cv = threading.Condition()
         self._weights: dict[int, Any] = {start: params}  # version -> the worker's copy
-        self._newest = start
         self._next_needed = start  # the oldest version a coming rollout starts from
         self._request: Callable | None = None  # the main thread's device work, waiting
         self._granted: Callable | None = None  # the request the worker let run
@@ -126,7 +125,6 @@ class RolloutsAhead:
         partial rollouts that use them; call inside the update's `turn`."""
         with self._cv:
             self._weights[version] = params
-            self._newest = version
             self._cv.notify_all()
 
     def wanted(self, version: int) -> bool:
@@ -148,10 +146,7 @@ class RolloutsAhead:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        while self._thread.is_alive():
-            with self._cv:  # keep granting: the worker may be waiting on the main thread
-                self._cv.notify_all()
-            self._thread.join(timeout=0.1)
+        self._thread.join()
 
     # ------------------------------------------------------------------ worker thread
     def at_pass(self) -> None:
@@ -164,7 +159,7 @@ class RolloutsAhead:
             self._grant()
             if self.partial:
                 with self._cv:
-                    newest = self._newest
+                    newest = max(self._weights)  # older ones are dropped as they go out of use
                 if newest > self.version:
                     self.params, self.version = self._weights[newest], newest
                     self._drop_older_than(min(newest, self._next_needed))
@@ -202,8 +197,7 @@ class RolloutsAhead:
         CURRENT.set(self)
         try:
             for b in range(self.start + 1, self.last + 1):
-                need = self.version_for(b)
-                self._next_needed = need
+                need = self.version_for(b)  # == self._next_needed
                 self._wait_for_version(need)
                 if self._stop:
                     return

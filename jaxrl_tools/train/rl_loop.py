@@ -87,8 +87,8 @@ def run_steps(
             streams=streams,
         )
 
-    def update(batch):
-        """Dispatches the update; with rollouts ahead, publishes its weights for them."""
+    def update(step: int, batch):
+        """Dispatches update `step`; with rollouts ahead, publishes its weights for them."""
         dispatched = trainer.dispatch(batch)
         if ahead is not None and ahead.wanted(step):
             ahead.publish(step, sampler.engine.serving_copy(trainer.params))
@@ -105,7 +105,7 @@ def run_steps(
                 else:
                     (batch, rollout_s), pipeline = rollout(step, trainer.params), {}
                 samples = batch.metrics.pop("_samples", None)  # rows, not a metric
-                metrics = trainer.finish(turn(lambda: update(batch)))  # noqa: B023
+                metrics = trainer.finish(turn(lambda: update(step, batch)))  # noqa: B023
                 if diverged := trainer.diverged(metrics):  # nothing of this step is saved
                     logger.log(step, metrics)
                     ckpt.wait()

@@ -1,79 +1,183 @@
-"""Wall time per RL step of the tool-math recipe, on-policy vs one-step asynchronous rollouts.
+"""Steps per second and device-idle fraction of the tool-math recipe with rollouts k = 0, 1, 2
+and 4 policy versions ahead of the update (`trainer.max_staleness`), with a slow tool and
+long-tailed response lengths.
 
 The demo's recipe (`configs/grpo_tool_math.yaml`: tiny Qwen2, the sandboxed Python tool, GRPO,
-8 prompts x 8 samples): a short SFT warm-up (so the policy calls the tool), then the same RL run
-twice from the same weights in this process: with `trainer.max_staleness` 0 and 1 (both with
-`algorithm.tis_cap: 2`). With async rollouts, step k+1's batch is sampled while step k's update
-runs. Prints the median step time of each after the first (compile) steps, its parts, the
-ratio, and the asynchronous run's importance-weight statistics.
+8 prompts x 8 samples) after a short SFT warm-up (so the policy calls the tool), made agentic:
+- every tool call takes 200 ms more (`--tool-ms`: a sandbox on another host, or an API), the
+  sleep before the sandboxed run, up to `rollout.tool_concurrency` at once;
+- response lengths are long-tailed: a logits hook forbids EOS until each sample's target
+  length, drawn once per sample index from a Pareto distribution (most responses end as the
+  policy wants, a few run to `--max-response`).
+Each k runs the same steps from the same SFT weights in this process (`algorithm.tis_cap: 2`).
+Device busy: the union of the intervals in which a decode chunk or an update runs (a chunk from
+its dispatch to its tokens on the host; an update from its dispatch to its metrics on the host);
+idle fraction = 1 - busy / wall, both over steps skip+1 .. steps (from the end of update `skip`
+to the end of the last). Prints steps per second and its ratio to k = 0, the idle fraction, and
+the medians of the step's parts.
 
-Run: .venv/bin/python benchmarks/bench_async_rollouts.py [--steps 12] [--sft-traces 1500]
+Run: .venv/bin/python benchmarks/bench_async_rollouts.py [--steps 14] [--ks 0,1,2,4]
 """
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
+
+import numpy as np
+import yaml
+
+from jaxrl_tools.tools.python_tool import PythonTool
+
+TOOL_S = 0.2  # set from --tool-ms
+
+
+class SlowPython(PythonTool):
+    """The sandboxed Python tool, TOOL_S slower per call."""
+
+    async def _call(self, arguments, session_id):
+        await asyncio.sleep(TOOL_S)
+        return await super()._call(arguments, session_id)
+
+
+def hold_eos(logits_BV, sampled_B, seq_B, data):
+    """Forbids EOS until each sample has `data["target"][seq % n]` model tokens."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    target = data["target"]
+    hold_B = sampled_B < target[seq_B % target.shape[0]]
+    eos_V = jnp.zeros((logits_BV.shape[-1],), bool).at[data["eos"]].set(True)
+    return jnp.where(hold_B[:, None] & eos_V[None, :], -1e9, logits_BV)
+
+
+def union_s(intervals, lo, hi) -> float:
+    """Seconds of [lo, hi] covered by the union of `intervals`."""
+    total, end = 0.0, lo
+    for a, b in sorted(intervals):
+        a, b = max(a, end), min(b, hi)
+        if b > a:
+            total += b - a
+            end = b
+    return total
 
 
 def main():
+    global TOOL_S
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--skip", type=int, default=2, help="first steps left out (compiles)")
+    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--skip", type=int, default=4, help="first steps left out (compiles)")
+    ap.add_argument("--ks", default="0,1,2,4")
+    ap.add_argument("--tool-ms", type=float, default=200.0)
+    ap.add_argument("--max-response", type=int, default=256)
+    ap.add_argument("--pareto", type=float, default=1.2, help="tail index of target lengths")
     ap.add_argument("--sft-traces", type=int, default=1500)
     ap.add_argument("--sft-epochs", type=int, default=3)
     args = ap.parse_args()
+    TOOL_S = args.tool_ms / 1000
 
     import jax
     import jax.numpy as jnp
 
     from jaxrl_tools import run
-    from jaxrl_tools.config_loader import load_config
+    from jaxrl_tools.config_loader import config_from_dict
+    from jaxrl_tools.rollout import loop, sampler
+    from jaxrl_tools.train.rl import RLTrainer
 
     tmp = Path(tempfile.mkdtemp())
     root = Path(__file__).resolve().parents[1]
+    raw = yaml.safe_load((root / "configs" / "grpo_tool_math.yaml").read_text())
+    raw["tokenizer"]["path"] = f"{tmp}/tokenizer"
+    raw["rollout"]["max_response_len"] = args.max_response
+    raw["tools"][0]["class"] = f"{__name__}.SlowPython"
+    raw["algorithm"]["tis_cap"] = 2.0
+    raw["sft"].update(num_traces=args.sft_traces, epochs=args.sft_epochs)
+    raw["trainer"].update(steps=args.steps, checkpoint_every=0)
 
-    def config(name, **trainer):
-        return load_config(
-            os.fspath(root / "configs" / "grpo_tool_math.yaml"),
-            [
-                f"tokenizer.path={tmp}/tokenizer",
-                f"trainer.log_dir={tmp}/{name}/logs",
-                f"trainer.checkpoint_dir={tmp}/{name}/ckpt",
-                f"trainer.steps={args.steps}",
-                "trainer.checkpoint_every=0",
-                f"sft.num_traces={args.sft_traces}",
-                f"sft.epochs={args.sft_epochs}",
-                "algorithm.tis_cap=2.0",
-                *[f"trainer.{k}={v}" for k, v in trainer.items()],
-            ],
+    def config(name, k):
+        cfg = json.loads(json.dumps(raw))
+        cfg["trainer"].update(
+            max_staleness=k, log_dir=f"{tmp}/{name}/logs", checkpoint_dir=f"{tmp}/{name}/ckpt"
         )
+        return config_from_dict(cfg)
 
-    cfg = config("sft")
+    # Long-tailed lengths: target model tokens per sample index (the batch's 64 samples).
+    rng = np.random.default_rng(0)
+    targets = np.minimum(16 * (1 + rng.pareto(args.pareto, 64)), args.max_response)
+    core = sampler.ENGINES["core"]()
+
+    def long_tailed_engine(*a, **kw):
+        engine = core(*a, logits_hook=hold_eos, **kw)
+        eos = np.asarray(engine.eos_token_ids, np.int32)
+        engine.hook_data = {"target": jnp.asarray(targets, jnp.int32), "eos": jnp.asarray(eos)}
+        return engine
+
+    sampler.ENGINES["core"] = lambda: long_tailed_engine
+
+    # Device-busy intervals: decode chunks and updates.
+    busy, update_end = [], []
+    decode = loop.Driver._decode
+
+    async def timed_decode(self, active):
+        t0 = time.perf_counter()
+        out = await decode(self, active)
+        busy.append((t0, time.perf_counter()))
+        return out
+
+    loop.Driver._decode = timed_decode
+    dispatch, finish = RLTrainer.dispatch, RLTrainer.finish
+
+    def timed_dispatch(self, batch):
+        return (time.perf_counter(), dispatch(self, batch))
+
+    def timed_finish(self, timed):
+        t0, dispatched = timed
+        out = finish(self, dispatched)
+        busy.append((t0, time.perf_counter()))
+        update_end.append(time.perf_counter())
+        return out
+
+    RLTrainer.dispatch, RLTrainer.finish = timed_dispatch, timed_finish
+
+    cfg = config("sft", 0)
     tokenizer = run.setup_tokenizer(cfg)
     model_cfg, params = run.setup_model(cfg, tokenizer)
     sft_params = run.run_sft(cfg, model_cfg, params, tokenizer)
 
     results = {}
-    for name, on in (("on-policy", "false"), ("async", "true")):
+    for k in [int(x) for x in args.ks.split(",")]:
+        busy.clear()
+        update_end.clear()
         start = jax.tree.map(jnp.copy, sft_params)  # the update donates its input
-        run.train(config(name, max_staleness=int(on)), init_params=start)
-        lines = (tmp / name / "logs" / "metrics.jsonl").read_text().splitlines()
+        run.train(config(f"k{k}", k), init_params=start)
+        lo, hi = update_end[args.skip - 1], update_end[-1]
+        lines = (tmp / f"k{k}" / "logs" / "metrics.jsonl").read_text().splitlines()
         records = [json.loads(line) for line in lines][args.skip :]
-        keys = ["time/step_s", "time/rollout_s", "time/update_s", "tools/calls_per_response"]
-        if on == "true":
-            keys += ["async/trainer_wait_s", "actor/is_weight_mean", "actor/is_truncated_frac"]
-        results[name] = {k: statistics.median(r[k] for r in records) for k in keys}
-        results[name]["reward_mean_last"] = records[-1]["reward/mean"]
+        r = {
+            "steps_per_s": (args.steps - args.skip) / (hi - lo),
+            "idle_frac": 1 - union_s(busy, lo, hi) / (hi - lo),
+        }
+        keys = ["time/rollout_s", "time/update_s", "rollout/tokens"]
+        keys += ["tools/calls_per_response", "async/trainer_wait_s", "async/staleness_mean"]
+        for key in keys:
+            if key in records[0]:
+                r[key] = statistics.median(rec[key] for rec in records)
+        r["reward_mean"] = statistics.mean(rec["reward/mean"] for rec in records)
+        results[k] = r
 
     load = os.getloadavg()[0]
-    print(f"tool-math recipe, steps {args.skip + 1}..{args.steps}, load {load:.2f}")
-    for name, r in results.items():
-        print(f"  {name:10s}", "  ".join(f"{k}={v:.3f}" for k, v in r.items()))
-    ratio = results["on-policy"]["time/step_s"] / results["async"]["time/step_s"]
-    print(f"  on-policy step / async step = {ratio:.2f}x")
+    print(
+        f"tool-math, {args.tool_ms:.0f} ms tool, Pareto({args.pareto}) lengths up to "
+        f"{args.max_response} (mean target {targets.mean():.0f}, max {targets.max():.0f}), "
+        f"steps {args.skip + 1}..{args.steps}, load {load:.2f}"
+    )
+    base = results[min(results)]["steps_per_s"]
+    for k, r in results.items():
+        parts = "  ".join(f"{key}={v:.3f}" for key, v in r.items())
+        print(f"  k={k}: {r['steps_per_s'] / base:.2f}x  {parts}")
 
 
 if __name__ == "__main__":

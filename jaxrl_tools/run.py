@@ -213,6 +213,8 @@ def train(
             tensorboard="tensorboard" in t.loggers,
             trackers=opened,
         )
+        # With rollouts ahead, an evaluation runs while a rollout is mid-way: its own engine view.
+        evaluator = sampler.view() if t.max_staleness else sampler
         metrics = rl_loop.run_steps(
             cfg,
             trainer=trainer,
@@ -223,7 +225,7 @@ def train(
             logger=logger,
             start=start,
             pad_id=tokenizer.pad_token_id or 0,
-            evaluate=lambda params, step: run_eval(cfg, sampler, params, evals, reward, step),
+            evaluate=lambda params, step: run_eval(cfg, evaluator, params, evals, reward, step),
         )
         ckpt.wait()
         summary["final_metrics"] = public(metrics)

@@ -13,6 +13,8 @@ import json
 import threading
 import time
 
+import jax
+import numpy as np
 import pytest
 from fakes import tiny_run_config
 
@@ -34,7 +36,9 @@ def _config(tmp, name, steps=4, tis_cap=2.0, **trainer):
             tmp,
             name,
             "test_async_rollouts:text_reward",
-            rollout={"protocol": "none", "max_response_len": 16},
+            # 8 samples on 4 slots: an evaluation's 4 greedy prompts take every slot a rollout
+            # uses (the engine's per-slot sampling modes were once shared with it)
+            rollout={"protocol": "none", "max_response_len": 16, "slots": 4},
             algorithm={"tis_cap": tis_cap},
             trainer={"steps": steps, "checkpoint_every": 0, **trainer},
         )
@@ -47,10 +51,15 @@ def _records(tmp, name):
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory):
+def ahead_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("async")
-    run.train(_config(tmp, "ahead", max_staleness=2))
-    return _records(tmp, "ahead")
+    summary = run.train(_config(tmp, "ahead", max_staleness=2))
+    return _records(tmp, "ahead"), summary["params"]
+
+
+@pytest.fixture(scope="module")
+def records(ahead_run):
+    return ahead_run[0]
 
 
 def test_every_batch_is_as_stale_as_the_schedule_says(records):
@@ -73,6 +82,19 @@ def test_later_batches_are_stale_and_reweighted(records):
     for r in records[1:]:
         # The updates moved the policy: its log-probs of the sampled tokens differ.
         assert abs(r["actor/is_weight_max"] - 1.0) > 1e-3
+
+
+def test_evaluations_between_decode_passes_leave_the_training_alone(ahead_run, tmp_path):
+    """Greedy evaluations every step, run in the update's turns while later batches decode (on
+    a view of the engine: slot modes and a serving copy of its own), change nothing of the run:
+    same batches, same updates."""
+    summary = run.train(_config(tmp_path, "evals", max_staleness=2, eval_every=1))
+    records, params = _records(tmp_path, "evals"), summary["params"]
+    assert all("eval/reward/mean" in r for r in records[:-1])
+    for a, b in zip(ahead_run[0], records):
+        assert b["reward/mean"] == a["reward/mean"] and b["actor/loss"] == a["actor/loss"]
+    for a, b in zip(jax.tree.leaves(ahead_run[1]), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
 
 
 def test_partial_rollouts_take_newer_weights_within_the_bound(tmp_path):

@@ -196,12 +196,6 @@ def _check_rollout_placement(cfg: RunConfig, n_devices: int) -> None:
             f"{t.max_staleness} update(s) old: set algorithm.off_policy (e.g. {{weight: token, "
             "cap: 2.0}) or algorithm.tis_cap (2.0 is usual)"
         )
-    if t.max_staleness and jax.process_count() > 1:
-        raise ConfigError(
-            f"trainer.max_staleness runs in one process, not {jax.process_count()}: the agreed "
-            "order of its device calls is not yet proven across processes; set "
-            "trainer.max_staleness=0"
-        )
     if r.agent is not None and jax.process_count() > 1:
         raise ConfigError(
             f"rollout.agent runs in one process, not {jax.process_count()}: the agent is "

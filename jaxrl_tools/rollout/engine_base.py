@@ -7,6 +7,7 @@ decode state (prefill, insert, generate, writes) are `EngineCore`'s.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -120,6 +121,18 @@ class EngineBase:
     def unstack_layers(self) -> bool:
         """Whether params are served one array per layer (`models.unstack_layers`)."""
         return self._serving.unstack_layers
+
+    def view(self) -> EngineBase:
+        """Another handle on this engine (its compiled steps and settings) with slot modes and
+        a serving copy of the weights of its own: for a second decode state used while the
+        first is mid-rollout (an evaluation inside a rollout ahead of the update)."""
+        other = copy.copy(self)
+        other._slot_mode = ["sample"] * self.slots
+        s = self._serving
+        other._serving = ServingWeights(
+            self.config, mesh=s.mesh, rules=s.rules, dtype=s.dtype, unstack_layers=s.unstack_layers
+        )
+        return other
 
     def serving_params(self, params: Params) -> Params:
         """`params` as the engine serves them: in the serving dtype, on the engine's mesh and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -124,6 +125,15 @@ class Sampler:
 
             self.agent = agents.load_agent(settings.agent)
         self._agent_stats: dict = {}
+
+    def view(self) -> Sampler:
+        """This sampler on a view of its engine (`EngineBase.view`), with scheduling counters
+        of its own: it can sample while this one is mid-rollout (an evaluation inside a
+        rollout ahead of the update)."""
+        other = copy.copy(self)
+        other.engine = self.engine.view()
+        other._parks, other._in_flight, other._agent_stats = 0, 0, {}
+        return other
 
     def state(self) -> dict:
         """What a checkpoint keeps of the sampler: how far its rollout stream has been drawn."""

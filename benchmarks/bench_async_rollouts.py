@@ -3,7 +3,8 @@ and 4 policy versions ahead of the update (`trainer.max_staleness`), with a slow
 long-tailed response lengths.
 
 The demo's recipe (`configs/grpo_tool_math.yaml`: tiny Qwen2, the sandboxed Python tool, GRPO,
-8 prompts x 8 samples) after a short SFT warm-up (so the policy calls the tool), made agentic:
+8 prompts x 8 samples) after an SFT warm-up on traces that all call the tool (`--tool-mix`; the
+demo's 0.4 leaves RL to teach the call), made agentic:
 - every tool call takes 200 ms more (`--tool-ms`: a sandbox on another host, or an API), the
   sleep before the sandboxed run, up to `rollout.tool_concurrency` at once;
 - response lengths are long-tailed: a logits hook forbids EOS until each sample's target
@@ -13,10 +14,11 @@ Each k runs the same steps from the same SFT weights in this process (`algorithm
 Device busy: the union of the intervals in which a decode chunk or an update runs (a chunk from
 its dispatch to its tokens on the host; an update from its dispatch to its metrics on the host);
 idle fraction = 1 - busy / wall, both over steps skip+1 .. steps (from the end of update `skip`
-to the end of the last). Prints steps per second and its ratio to k = 0, the idle fraction, and
-the medians of the step's parts.
+to the end of update `steps`; each run goes on for max(ks) + 1 more steps, so the batches
+sampled ahead at the window's start are matched by as many at its end). Prints steps per
+second and its ratio to k = 0, the idle fraction, and the means of the step's parts.
 
-Run: .venv/bin/python benchmarks/bench_async_rollouts.py [--steps 14] [--ks 0,1,2,4]
+Run: .venv/bin/python benchmarks/bench_async_rollouts.py [--steps 34] [--ks 0,1,2,4]
 """
 
 import argparse
@@ -68,7 +70,7 @@ def union_s(intervals, lo, hi) -> float:
 def main():
     global TOOL_S
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--steps", type=int, default=34)
     ap.add_argument("--skip", type=int, default=4, help="first steps left out (compiles)")
     ap.add_argument("--ks", default="0,1,2,4")
     ap.add_argument("--tool-ms", type=float, default=200.0)
@@ -76,6 +78,7 @@ def main():
     ap.add_argument("--pareto", type=float, default=1.2, help="tail index of target lengths")
     ap.add_argument("--sft-traces", type=int, default=1500)
     ap.add_argument("--sft-epochs", type=int, default=3)
+    ap.add_argument("--tool-mix", type=float, default=1.0, help="SFT traces that call the tool")
     args = ap.parse_args()
     TOOL_S = args.tool_ms / 1000
 
@@ -94,8 +97,11 @@ def main():
     raw["rollout"]["max_response_len"] = args.max_response
     raw["tools"][0]["class"] = f"{__name__}.SlowPython"
     raw["algorithm"]["tis_cap"] = 2.0
-    raw["sft"].update(num_traces=args.sft_traces, epochs=args.sft_epochs)
-    raw["trainer"].update(steps=args.steps, checkpoint_every=0)
+    raw["sft"].update(num_traces=args.sft_traces, epochs=args.sft_epochs, tool_mix=args.tool_mix)
+    # Every run goes max(ks) + 1 steps past the measured ones, so that at both ends of the
+    # window the worker may be as far ahead as it likes (no head start counted as speed).
+    ks = [int(x) for x in args.ks.split(",")]
+    raw["trainer"].update(steps=args.steps + max(ks) + 1, checkpoint_every=0)
 
     def config(name, k):
         cfg = json.loads(json.dumps(raw))
@@ -148,14 +154,14 @@ def main():
     sft_params = run.run_sft(cfg, model_cfg, params, tokenizer)
 
     results = {}
-    for k in [int(x) for x in args.ks.split(",")]:
+    for k in ks:
         busy.clear()
         update_end.clear()
         start = jax.tree.map(jnp.copy, sft_params)  # the update donates its input
         run.train(config(f"k{k}", k), init_params=start)
-        lo, hi = update_end[args.skip - 1], update_end[-1]
+        lo, hi = update_end[args.skip - 1], update_end[args.steps - 1]
         lines = (tmp / f"k{k}" / "logs" / "metrics.jsonl").read_text().splitlines()
-        records = [json.loads(line) for line in lines][args.skip :]
+        records = [json.loads(line) for line in lines][args.skip : args.steps]
         r = {
             "steps_per_s": (args.steps - args.skip) / (hi - lo),
             "idle_frac": 1 - union_s(busy, lo, hi) / (hi - lo),
@@ -164,7 +170,7 @@ def main():
         keys += ["tools/calls_per_response", "async/trainer_wait_s", "async/staleness_mean"]
         for key in keys:
             if key in records[0]:
-                r[key] = statistics.median(rec[key] for rec in records)
+                r[key] = statistics.mean(rec[key] for rec in records)
         r["reward_mean"] = statistics.mean(rec["reward/mean"] for rec in records)
         results[k] = r
 

@@ -172,6 +172,8 @@ def attention(
     if chunk is None:
         chunk = CPU_CHUNK if compute_platform() == "cpu" else CHUNK
     if prompt_keys_BNS is not None:
+        if window is not None:
+            raise ValueError("attention: a sliding window is not supported with prompt_keys_BNS")
         return _shared_prompt(q_BTHD, k_BSKD, v_BSKD, kv_valid_BS, prompt_keys_BNS, impl, chunk)
     packed = segment_ids_BT is not None
     if packed and T != S:

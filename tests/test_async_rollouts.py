@@ -73,15 +73,15 @@ def test_every_batch_is_as_stale_as_the_schedule_says(records):
 
 def test_the_first_batch_is_on_policy_and_its_weights_are_one(records):
     first = records[0]
-    assert first["actor/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
-    assert first["actor/is_weight_max"] == pytest.approx(1.0, abs=1e-4)
-    assert first["actor/is_truncated_frac"] == 0
+    assert first["actor/off_policy/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert first["actor/off_policy/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert first["actor/off_policy/truncated_frac"] == 0
 
 
 def test_later_batches_are_stale_and_reweighted(records):
     for r in records[1:]:
         # The updates moved the policy: its log-probs of the sampled tokens differ.
-        assert abs(r["actor/is_weight_max"] - 1.0) > 1e-3
+        assert abs(r["actor/off_policy/ratio_max"] - 1.0) > 1e-3
 
 
 def test_evaluations_between_decode_passes_leave_the_training_alone(ahead_run, tmp_path):

@@ -12,6 +12,7 @@ from absl.testing import parameterized
 
 from jaxrl_tools.algorithms import (
     LOSS_AGG_MODES,
+    OffPolicyConfig,
     PolicyLossConfig,
     aggregate,
     entropy_loss,
@@ -218,12 +219,14 @@ class OracleTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.parameters(*LOSS_AGG_MODES)
     def test_truncated_importance_weights(self, mode):
-        """TIS: each token's clip loss times min(π_old / π_behaviour, C); no gradient through
-        the weight; weights of exactly 1 when the behaviour policy is the old one."""
+        """TIS (`algorithm.tis_cap` C, a token weight capped at C): each token's clip loss times
+        min(π_old / π_behaviour, C); no gradient through the weight; weights of exactly 1 when
+        the behaviour policy is the old one."""
         d = make(15)
         behaviour = d["old"] + np.random.default_rng(3).normal(scale=0.7, size=d["old"].shape)
         behaviour = behaviour.astype(np.float32)
-        cfg = PolicyLossConfig(loss_agg_mode=mode, max_len=L_MAX, tis_cap=2.0)
+        tis = OffPolicyConfig(weight="token", cap=2.0)
+        cfg = PolicyLossConfig(loss_agg_mode=mode, max_len=L_MAX, off_policy=tis)
         f = self.variant(lambda lp, o, a, m, b: policy_loss(cfg, lp, o, a, m, behaviour_logp_BT=b))
         out = f(d["logp"], d["old"], d["A"], d["m"], behaviour)
         L, _ = np_ppo_tokens(d["logp"], d["old"], d["A"], d["m"], 0.2, 0.28, 3.0, "token")
@@ -231,24 +234,29 @@ class OracleTest(chex.TestCase):
         np.testing.assert_allclose(out.loss, np_agg(w * L, d["m"], mode), rtol=RTOL, atol=ATOL)
         keep = d["m"] > 0
         ratio = np.exp(d["old"] - behaviour)[keep]
-        assert 0 < float(out.metrics["is_truncated_frac"]) < 1  # the cap was reached, not always
-        np.testing.assert_allclose(out.metrics["is_truncated_frac"], np.mean(ratio > 2.0))
-        np.testing.assert_allclose(out.metrics["is_weight_mean"], ratio.mean(), rtol=RTOL)
-        np.testing.assert_allclose(out.metrics["is_weight_max"], ratio.max(), rtol=RTOL)
+        truncated = out.metrics["off_policy/truncated_frac"]
+        assert 0 < float(truncated) < 1  # the cap was reached, not always
+        np.testing.assert_allclose(truncated, np.mean(ratio > 2.0))
+        np.testing.assert_allclose(
+            out.metrics["off_policy/is_weight_mean"], np.minimum(ratio, 2.0).mean(), rtol=RTOL
+        )
+        np.testing.assert_allclose(out.metrics["off_policy/ratio_max"], ratio.max(), rtol=RTOL)
         # Staleness 0 (behaviour = old): weights 1, and the loss of the plain objective.
         same = f(d["logp"], d["old"], d["A"], d["m"], d["old"])
         plain = policy_loss(
-            dataclasses.replace(cfg, tis_cap=None), *[d[k] for k in "logp old A m".split()]
+            dataclasses.replace(cfg, off_policy=OffPolicyConfig()),
+            *[d[k] for k in "logp old A m".split()],
         )
         np.testing.assert_allclose(same.loss, plain.loss, rtol=RTOL, atol=ATOL)
-        assert float(same.metrics["is_weight_mean"]) == float(same.metrics["is_weight_max"]) == 1
+        assert float(same.metrics["off_policy/is_weight_mean"]) == 1
+        assert float(same.metrics["off_policy/ratio_max"]) == 1
         # The weight is a constant of the gradient: d loss / d logp = w * (plain gradient).
         grad = lambda c, b: jax.grad(
             lambda lp: policy_loss(c, lp, d["old"], d["A"], d["m"], behaviour_logp_BT=b).loss
         )(jnp.asarray(d["logp"]))
-        g_plain = grad(dataclasses.replace(cfg, tis_cap=None), None)
+        g_plain = grad(dataclasses.replace(cfg, off_policy=OffPolicyConfig()), None)
         np.testing.assert_allclose(grad(cfg, behaviour), w * g_plain, rtol=1e-5, atol=1e-7)
-        with pytest.raises(ValueError, match="tis_cap needs behaviour_logp_BT"):
+        with pytest.raises(ValueError, match="off_policy needs behaviour_logp_BT"):
             policy_loss(cfg, d["logp"], d["old"], d["A"], d["m"])
 
 

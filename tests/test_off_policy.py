@@ -119,6 +119,17 @@ def test_a_correction_that_makes_no_sense_is_refused():
     assert decoupled(2.0).high == 2.0 and math.isinf(OffPolicyConfig().high)
 
 
+def test_tis_cap_is_the_capped_token_weight_and_each_correction_reads_in_one_phrase():
+    from jaxrl_tools.config import AlgorithmSection
+
+    tis = AlgorithmSection(tis_cap=2.0).correction()
+    assert tis == OffPolicyConfig(weight="token", cap=2.0)
+    assert tis.describe() == "token weight (cap 2)"
+    assert decoupled(2.0).describe() == "token weight, token mask [0, 2]"
+    assert AlgorithmSection().correction().describe() == "none"
+    assert not AlgorithmSection().corrects_off_policy
+
+
 def test_a_bf16_engine_copy_against_the_float32_trainer_moves_the_drift_and_the_masks_respond():
     """The same weights, sampled by a bfloat16 copy (as an engine serving bf16 does) and scored
     by the float32 trainer: no staleness, yet the ratios move off 1 and a tight mask drops

@@ -277,7 +277,8 @@ def test_the_planned_step_is_the_trained_step(monkeypatch):
         pad_id=0,
     )
     metrics = trainer.step(batch)
-    assert {"actor/is_weight_mean", "critic/loss", "packing/rows"} <= set(metrics), metrics
+    want = {"actor/off_policy/is_weight_mean", "critic/loss", "packing/rows"}
+    assert want <= set(metrics), metrics
     assert used["lowered"] == used["called"] == [trainer.step_fn]
     assert used["lowered"][0] is used["called"][0] is step_config.run_step(cfg, mesh)
 

@@ -10,8 +10,7 @@ Public API:
               needs_critic, list_critic_estimators, discounted_returns, gae_advantages, gae_step,
               last_token_onehot
   aggregation LossTerms, aggregate, loss_denominator, verl_loss_denominator, LOSS_AGG_MODES
-  losses      ppo_clip_loss, value_loss, entropy_loss, kl_loss, log_ratio,
-              truncated_is_weights
+  losses      ppo_clip_loss, value_loss, entropy_loss, kl_loss, log_ratio
   off_policy  OffPolicyConfig, off_policy_weights, decoupled
   objective   PolicyLossConfig, policy_loss, POLICY_LOSSES, policy_loss_ratio_type,
               policy_loss_dual_clip
@@ -70,7 +69,6 @@ from jaxrl_tools.algorithms.losses import (
     kl_loss,
     log_ratio,
     ppo_clip_loss,
-    truncated_is_weights,
     value_loss,
 )
 from jaxrl_tools.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
@@ -141,7 +139,6 @@ __all__ = [
     "starpo_s_filter",
     "target_logprobs",
     "token_entropy",
-    "truncated_is_weights",
     "turn_level",
     "value_loss",
     "verl_loss_denominator",

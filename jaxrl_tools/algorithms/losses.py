@@ -53,7 +53,6 @@ __all__ = [
     "log_ratio",
     "loss_denominator",
     "ppo_clip_loss",
-    "truncated_is_weights",
     "value_loss",
 ]
 
@@ -177,42 +176,6 @@ def ppo_clip_loss(
         segment_ids_BT=segment_ids_BT,
     )
     return LossTerms(total, denom, metrics)
-
-
-def truncated_is_weights(
-    old_logp_BT: jax.Array, behaviour_logp_BT: jax.Array, loss_mask_BT: jax.Array, cap: float
-) -> tuple[jax.Array, dict]:
-    """Truncated importance sampling (TIS): w = min(π_old / π_behaviour, C) per token, no gradient.
-
-    π_behaviour is the policy that sampled the tokens (the rollout engine's log-probs: an older
-    policy with asynchronous rollouts, or the same weights run by another kernel in another
-    dtype); π_old is the trainer's policy at the start of the update. The weight multiplies
-    each token's policy loss, so the gradient is an (truncated, hence biased but bounded)
-    estimate of the on-policy one.
-
-    Returns:
-      (w [B, T], 1 where the mask is 0; metrics: is_weight_mean / is_weight_max of the
-      untruncated ratio over masked tokens, is_truncated_frac).
-    """
-    if not cap > 0:
-        raise ValueError(f"truncated_is_weights: cap must be > 0, got {cap}")
-    check_bt(
-        "truncated_is_weights",
-        "old_logp_BT",
-        old_logp_BT,
-        behaviour_logp_BT=behaviour_logp_BT,
-        loss_mask_BT=loss_mask_BT,
-    )
-    diff = old_logp_BT.astype(f32) - behaviour_logp_BT.astype(f32)
-    ratio = jnp.where(loss_mask_BT > 0, jnp.exp(jnp.clip(diff, -20.0, 20.0)), 1.0)
-    ratio = jax.lax.stop_gradient(ratio)
-    _, rmax = _masked_min_max(ratio, loss_mask_BT)
-    metrics = {
-        "is_weight_mean": masked_mean(ratio, loss_mask_BT),
-        "is_weight_max": rmax,
-        "is_truncated_frac": masked_mean((ratio > cap).astype(f32), loss_mask_BT),
-    }
-    return jnp.minimum(ratio, cap), metrics
 
 
 def value_loss(

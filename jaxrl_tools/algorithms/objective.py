@@ -24,7 +24,6 @@ from jaxrl_tools.algorithms.losses import (
     entropy_loss,
     kl_loss,
     ppo_clip_loss,
-    truncated_is_weights,
 )
 from jaxrl_tools.algorithms.off_policy import OffPolicyConfig, off_policy_weights
 
@@ -80,10 +79,8 @@ class PolicyLossConfig:
       max_len: L_max for seq-mean-token-sum-norm.
       ratio_type: "token" (PPO/GRPO/DAPO) or "sequence" (GSPO); from a policy loss name,
         ``policy_loss_ratio_type(name)``.
-      tis_cap: C of truncated importance sampling against the behaviour log-probs
-        (``truncated_is_weights``), or None (off).
-      off_policy: any other correction against the behaviour log-probs
-        (``off_policy.off_policy_weights``); not with tis_cap.
+      off_policy: a correction against the behaviour log-probs (``off_policy_weights``:
+        truncated or masked importance sampling, decoupled PPO), or inactive (off).
     """
 
     clip_eps_low: float = 0.2
@@ -95,7 +92,6 @@ class PolicyLossConfig:
     loss_agg_mode: str = "token-mean"
     max_len: int | None = None
     ratio_type: str = "token"
-    tis_cap: float | None = None
     off_policy: OffPolicyConfig = OffPolicyConfig()
 
     def __post_init__(self):
@@ -105,10 +101,6 @@ class PolicyLossConfig:
                 f"{self.clip_eps_low}, {self.clip_eps_high}"
             )
         check_dual_clip(self.dual_clip_c)
-        if self.tis_cap is not None and not self.tis_cap > 0:
-            raise ValueError(f"PolicyLossConfig.tis_cap must be > 0 (or None), got {self.tis_cap}")
-        if self.tis_cap is not None and self.off_policy.active:
-            raise ValueError("PolicyLossConfig: tis_cap and off_policy are two corrections")
         canonical_kl_type(self.kl_type)
         check_mode(self.loss_agg_mode, self.max_len)
         if self.ratio_type not in RATIO_TYPES:
@@ -139,14 +131,14 @@ def policy_loss(
       entropy_BT: [B, T] token entropies; required when config.entropy_coef != 0.
       denominator: global mini-batch denominator (``loss_denominator``) for micro-batching.
       behaviour_logp_BT: [B, T] log-probs of the policy that sampled the tokens; required when
-        config.tis_cap is set (each token's clip loss is then weighted by
-        min(π_old / π_behaviour, tis_cap)).
+        config.off_policy is active (each token's clip loss is then weighted by the
+        correction, e.g. min(π_old / π_behaviour, cap)).
       segment_ids_BT: [B, T] the sequence of each token when rows are packed with several
         (seq-mean aggregation and GSPO's ratio then work per sequence, not per row), or None.
     Returns:
       LossTerms whose ``loss`` is the scalar to differentiate; metrics: pg_loss, the clip
-      metrics of ``ppo_clip_loss``, the importance-weight metrics of ``truncated_is_weights``,
-      and kl / entropy when used.
+      metrics of ``ppo_clip_loss``, the correction's drift metrics (``off_policy/...``,
+      ``off_policy_weights``), and kl / entropy when used.
     """
     check_bt(
         "policy_loss",
@@ -165,14 +157,9 @@ def policy_loss(
     if denominator is None:
         denominator = loss_denominator(loss_mask_BT, mode, L, segment_ids_BT)
     is_weights, is_metrics = None, {}
-    if (config.tis_cap is not None or config.off_policy.active) and behaviour_logp_BT is None:
-        which = "tis_cap" if config.tis_cap is not None else "off_policy"
-        raise ValueError(f"policy_loss: config.{which} needs behaviour_logp_BT")
-    if config.tis_cap is not None:
-        is_weights, is_metrics = truncated_is_weights(
-            old_logp_BT, behaviour_logp_BT, loss_mask_BT, config.tis_cap
-        )
-    elif config.off_policy.active:
+    if config.off_policy.active:
+        if behaviour_logp_BT is None:
+            raise ValueError("policy_loss: config.off_policy needs behaviour_logp_BT")
         is_weights, drift = off_policy_weights(
             config.off_policy, old_logp_BT, behaviour_logp_BT, loss_mask_BT, segment_ids_BT
         )

@@ -65,6 +65,17 @@ class OffPolicyConfig:
     def active(self) -> bool:
         return self.weight is not None or self.mask is not None
 
+    def describe(self) -> str:
+        """One phrase, e.g. "token weight (cap 2), sequence mask [0.5, 2]"."""
+        parts = []
+        if self.weight is not None:
+            parts.append(
+                f"{self.weight} weight" + ("" if self.cap is None else f" (cap {self.cap:g})")
+            )
+        if self.mask is not None:
+            parts.append(f"{self.mask} mask [{self.low:g}, {self.high:g}]")
+        return ", ".join(parts) or "none"
+
 
 def decoupled(cap: float) -> OffPolicyConfig:
     """AReaL's decoupled PPO weight: ρ_t uncapped, tokens with ρ_t > cap dropped."""

@@ -191,8 +191,7 @@ def preflight(cfg: RunConfig, *, needs_eval: bool = False) -> dict[str, Any]:
         "algorithm": f"{a.adv_estimator}, {a.policy_loss} (clip {a.clip_eps_low:g}/"
         f"{a.clip_eps_high:g}, {a.loss_agg_mode}), "
         + (kl if a.kl_coef > 0 else "no KL")
-        + ("" if a.tis_cap is None else f", truncated IS (cap {a.tis_cap:g})")
-        + (f", off-policy {a.off_policy.correction()}" if a.off_policy.correction().active else "")
+        + (f", off-policy {c.describe()}" if (c := a.correction()).active else "")
         + (", critic" if cfg.critic.enabled else "")
         + f"; lr {o.lr:g} {o.schedule}, warm-up {o.warmup_steps}",
         "rollout": f"protocol {r.protocol}, prompts <= {r.max_prompt_len} tokens, responses <= "

@@ -90,9 +90,10 @@ class AlgorithmSection:
     turn_gamma: float = 0.4  # Kevin: a turn's return = its score + turn_gamma x the next turn's
     turn_group_norm: bool = True  # Kevin: normalise turn returns over the prompt's group
     # Truncated importance sampling against the sampler's log-probs: each token's policy loss is
-    # weighted by min(pi_old / pi_behaviour, tis_cap); null = off (needed by async rollouts).
+    # weighted by min(pi_old / pi_behaviour, tis_cap); null = off. Short for off_policy
+    # {weight: token, cap: tis_cap}.
     tis_cap: float | None = None
-    # Any other correction (truncated or masked IS, token or sequence level, decoupled PPO).
+    # Any correction (truncated or masked IS, token or sequence level, decoupled PPO).
     off_policy: OffPolicySection = field(default_factory=OffPolicySection)
     filters: FiltersSection = field(default_factory=FiltersSection)
 
@@ -153,10 +154,16 @@ class AlgorithmSection:
                 "off_policy {weight: token, cap: C})",
             )
 
+    def correction(self) -> algorithms.OffPolicyConfig:
+        """The off-policy correction the loss applies (`tis_cap` C: a token weight capped at C)."""
+        if self.tis_cap is not None:
+            return algorithms.OffPolicyConfig(weight="token", cap=self.tis_cap)
+        return self.off_policy.correction()
+
     @property
     def corrects_off_policy(self) -> bool:
         """Whether the loss reweights tokens by the sampler's log-probs."""
-        return self.tis_cap is not None or self.off_policy.correction().active
+        return self.correction().active
 
     @property
     def uses_critic(self) -> bool:

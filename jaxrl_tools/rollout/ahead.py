@@ -135,10 +135,12 @@ class RolloutsAhead:
 
     def streams_before(self, batch: int) -> dict | None:
         """The streams read before batch `batch` was sampled (waits until the worker has read
-        them); None past the last batch."""
+        them; older batches' are dropped); None past the last batch."""
         with self._cv:
             while batch not in self._before and self._alive and batch <= self.last:
                 self._cv.wait()
+            for b in [b for b in self._before if b < batch]:
+                del self._before[b]
             return self._before.get(batch)
 
     def close(self) -> None:

@@ -33,8 +33,7 @@ def policy_loss_config(a: AlgorithmSection, max_response_len: int) -> algorithms
         loss_agg_mode=a.loss_agg_mode,
         max_len=max_response_len,
         ratio_type=algorithms.policy_loss_ratio_type(a.policy_loss),
-        tis_cap=a.tis_cap,
-        off_policy=a.off_policy.correction(),
+        off_policy=a.correction(),
     )
 
 

@@ -36,14 +36,16 @@ import yaml
 
 from jaxrl_tools.tools.python_tool import PythonTool
 
-TOOL_S = 0.2  # set from --tool-ms
-
 
 class SlowPython(PythonTool):
-    """The sandboxed Python tool, TOOL_S slower per call."""
+    """The sandboxed Python tool, `delay_s` slower per call."""
+
+    def __init__(self, *, delay_s: float, **kwargs):
+        super().__init__(**kwargs)
+        self.delay_s = delay_s
 
     async def _call(self, arguments, session_id):
-        await asyncio.sleep(TOOL_S)
+        await asyncio.sleep(self.delay_s)
         return await super()._call(arguments, session_id)
 
 
@@ -69,7 +71,6 @@ def union_s(intervals, lo, hi) -> float:
 
 
 def main():
-    global TOOL_S
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=34)
     ap.add_argument("--skip", type=int, default=4, help="first steps left out (compiles)")
@@ -81,7 +82,6 @@ def main():
     ap.add_argument("--sft-epochs", type=int, default=3)
     ap.add_argument("--tool-mix", type=float, default=1.0, help="SFT traces that call the tool")
     args = ap.parse_args()
-    TOOL_S = args.tool_ms / 1000
 
     import jax
     import jax.numpy as jnp
@@ -97,6 +97,7 @@ def main():
     raw["tokenizer"]["path"] = f"{tmp}/tokenizer"
     raw["rollout"]["max_response_len"] = args.max_response
     raw["tools"][0]["class"] = f"{__name__}.SlowPython"
+    raw["tools"][0]["config"]["delay_s"] = args.tool_ms / 1000
     raw["algorithm"]["tis_cap"] = 2.0
     raw["sft"].update(num_traces=args.sft_traces, epochs=args.sft_epochs, tool_mix=args.tool_mix)
     # Every run goes max(ks) + 1 steps past the measured ones, so that at both ends of the

@@ -1,7 +1,7 @@
 """Rollout: the decode engine (kernels, EngineCore, the JetStream adapter in `jetstream`),
 sampling, the pure stop scan, the host-side agent loop (`scheduler`: which sample decodes in
 which slot; `resolver`: what an ended segment becomes; `loop`: the driver over the engine), the
-run's records -> trajectories sampler, and one-step asynchronous rollouts (`ahead`)."""
+run's records -> trajectories sampler, and rollouts ahead of the update (`ahead`)."""
 
 from jaxrl_tools.rollout.ahead import RolloutsAhead
 from jaxrl_tools.rollout.engine import EngineCore

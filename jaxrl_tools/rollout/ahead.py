@@ -139,8 +139,7 @@ class RolloutsAhead:
         with self._cv:
             while batch not in self._before and self._alive and batch <= self.last:
                 self._cv.wait()
-            for b in [b for b in self._before if b < batch]:
-                del self._before[b]
+            _drop_below(self._before, batch)
             return self._before.get(batch)
 
     def close(self) -> None:
@@ -192,8 +191,7 @@ class RolloutsAhead:
 
     def _drop_older_than(self, version: int) -> None:
         with self._cv:
-            for v in [v for v in self._weights if v < version]:
-                del self._weights[v]
+            _drop_below(self._weights, version)
 
     def _work(self) -> None:
         CURRENT.set(self)
@@ -216,3 +214,9 @@ class RolloutsAhead:
             with self._cv:
                 self._alive = False
                 self._cv.notify_all()
+
+
+def _drop_below(entries: dict[int, Any], key: int) -> None:
+    """Removes the entries of `entries` whose key is below `key` (gone out of use)."""
+    for k in [k for k in entries if k < key]:
+        del entries[k]

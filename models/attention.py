@@ -14,9 +14,12 @@ only the earlier tokens of its own sequence.
 Rows with a shared prompt (`prompt_keys`, `train.packing.plan_shared_packing`) are a prompt slot
 of S tokens, then N sample slots of L: the prompt slot attends causally to itself, and sample
 slot j's queries to the prompt-slot keys `prompt_keys[b, j]` marks and causally to their own
-slot. They run as two attentions of the kinds below: the prompt slot's self-attention (any
-implementation, kernels included), and the N samples' queries over [the prompt's keys, their
-own] (dense or chunked), so no score is computed that a sample hides from another.
+slot (a sample's tokens fill its slot from the start). They run as two attentions of the kinds
+below: the prompt slot's self-attention (any implementation, kernels included), and the N
+samples' queries over [the prompt's keys, their own] (dense or chunked), so no score is computed
+that a sample hides from another. Where "auto" would take cuDNN, each sample is instead gathered
+into a right-padded row of its own, [the prompt keys it sees, its own tokens], for cuDNN's
+causal self-attention: the prompt's queries are recomputed per sample, but in the fused kernel.
 
 Implementations (`impl`):
   "dense"    the [B, H, T, S] float32 score matrix, as the model has always computed it; the
@@ -28,7 +31,7 @@ Implementations (`impl`):
              NVIDIA GPUs. It takes causal + right padding (per-row lengths), bf16/fp16, Dh <= 128;
              only used when the caller passes `kv_lengths` (right-padded rows) and T == S; no
              packed rows (jax's API takes no segment ids); of shared-prompt rows, the prompt
-             slot.
+             slot, and the samples gathered into rows of their own.
   "pallas"   `jax.experimental.pallas.ops.tpu.flash_attention` on TPU, causal, padding and
              packed sequences by segment ids, kv heads repeated for GQA; no sliding window.
              The kernel masks causally by index (query t sees keys s <= t), so it takes only
@@ -247,14 +250,53 @@ def _shared_prompt(q, k, v, kv_valid_BT, prompt_keys_BNS, impl, chunk):
         own = x[:, S:].reshape(B, N, L, n, Dh)
         return jnp.concatenate([prompt, own], axis=2).reshape(B * N, S + L, n, Dh)
 
-    seen = jnp.concatenate([prompt_keys_BNS.astype(bool), valid_BT[:, S:].reshape(B, N, L)], 2)
-    q_pos = jnp.broadcast_to(S + jnp.arange(L, dtype=jnp.int32), (B * N, L))  # after the prompt
-    out_samples = attention(
-        q[:, S:].reshape(B * N, L, H, Dh), samples(k), samples(v), q_pos,
-        seen.reshape(B * N, S + L), impl=impl if impl in ("dense", "chunked") else "auto",
-        chunk=chunk,
+    rows = select_impl(impl, T=S + L, S=S + L, Dh=Dh, dtype=q.dtype, has_lengths=True)
+    if rows == "cudnn":
+        out_samples = _samples_as_rows(q, k, v, valid_BT, prompt_keys_BNS, rows, chunk)
+    else:
+        own = valid_BT[:, S:].reshape(B, N, L)
+        seen = jnp.concatenate([prompt_keys_BNS.astype(bool), own], axis=2)
+        q_pos = jnp.broadcast_to(S + jnp.arange(L, dtype=jnp.int32), (B * N, L))  # after prompt
+        out_samples = attention(
+            q[:, S:].reshape(B * N, L, H, Dh), samples(k), samples(v), q_pos,
+            seen.reshape(B * N, S + L), impl=impl if impl in ("dense", "chunked") else "auto",
+            chunk=chunk,
+        ).reshape(B, N * L, H, Dh)  # fmt: skip
+    return jnp.concatenate([out_prompt, out_samples], axis=1)
+
+
+def _samples_as_rows(q, k, v, valid_BT, prompt_keys_BNS, impl, chunk):
+    """The samples' attention of `_shared_prompt` for a kernel that takes only right-padded
+    causal self-attention (cuDNN): each sample gathered into a row of its own, the prompt keys
+    it sees then its own tokens, and attended with lengths. The prompt's queries are gathered
+    too (their outputs are dropped): more attention work than the queries-over-keys block, but in
+    one fused kernel, where that block's XLA path reads and writes every score block. The
+    gathers' transposes add up the prompt's gradients over the samples."""
+    B, T, H, Dh = q.shape
+    _, N, S = prompt_keys_BNS.shape
+    L = (T - S) // N
+    W = S + L
+    seen_BNS = prompt_keys_BNS.astype(bool)
+    h_BN = jnp.sum(seen_BNS, axis=2, dtype=jnp.int32)
+    own_BN = jnp.sum(valid_BT[:, S:].reshape(B, N, L), axis=2, dtype=jnp.int32)
+    seen_first = jnp.argsort(~seen_BNS, axis=2, stable=True).astype(jnp.int32)  # seen, in order
+    t = jnp.arange(W, dtype=jnp.int32)
+    own_at = S + jnp.arange(N, dtype=jnp.int32)[None, :, None] * L + t - h_BN[..., None]
+    prompt_at = jnp.take_along_axis(seen_first, jnp.minimum(t, S - 1)[None, None], axis=2)
+    src_BNW = jnp.where(t < h_BN[..., None], prompt_at, jnp.clip(own_at, 0, T - 1))
+
+    def gather(x):  # [B, T, n, Dh] -> [B N, W, n, Dh]
+        flat = src_BNW.reshape(B, N * W)[..., None, None]
+        return jnp.take_along_axis(x, flat, axis=1).reshape(B * N, W, *x.shape[2:])
+
+    lengths = jnp.maximum(h_BN + own_BN, 1).reshape(B * N)
+    out = attention(
+        gather(q), gather(k), gather(v), jnp.broadcast_to(t, (B * N, W)),
+        t[None] < lengths[:, None], kv_lengths_B=lengths, impl=impl, chunk=chunk,
     )  # fmt: skip
-    return jnp.concatenate([out_prompt, out_samples.reshape(B, N * L, H, Dh)], axis=1)
+    back = jnp.minimum(h_BN.reshape(B * N, 1) + jnp.arange(L), W - 1)  # each own token's place
+    out = jnp.take_along_axis(out, back[..., None, None], axis=1)
+    return out.reshape(B, N * L, H, Dh)
 
 
 def _allowed(q_pos_BT, kv_pos_S, kv_valid_BS, window, q_seg_BT=None, kv_seg_BS=None):

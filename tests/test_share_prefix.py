@@ -139,8 +139,10 @@ def _reference_attention(q, k, v, valid, keys, S, L):
     return jnp.einsum("bhts,bshd->bthd", probs, v), ok
 
 
-@pytest.mark.parametrize("impl", ["dense", "chunked", "auto"])
+@pytest.mark.parametrize("impl", ["dense", "chunked", "auto", "rows-dense", "rows-chunked"])
 def test_shared_prompt_attention_equals_the_mask_written_out_and_samples_see_only_the_prompt(impl):
+    """rows-*: the samples' attention as a GPU runs it (cuDNN: each sample gathered into a
+    right-padded row of its own), here through the dense and chunked paths."""
     B, S, N, L, H, K, Dh = 2, 9, 3, 7, 4, 2, 8
     T = S + N * L
     rng = np.random.default_rng(0)
@@ -160,10 +162,16 @@ def test_shared_prompt_attention_equals_the_mask_written_out_and_samples_see_onl
         out = attend(q, k, v)
         return jnp.sum(out * w), out
 
-    shared = lambda q, k, v: A.attention(  # noqa: E731
-        q, k, v, pos, valid, segment_ids_BT=jnp.asarray(valid, jnp.int32),
-        prompt_keys_BNS=keys, impl=impl, chunk=4,
-    )  # fmt: skip
+    def shared(q, k, v):
+        if impl.startswith("rows-"):
+            out = A.attention(q, k, v, pos, valid, prompt_keys_BNS=keys, impl="dense")
+            rows = A._samples_as_rows(q, k, v, valid, keys, impl[5:], 4)
+            return jnp.concatenate([out[:, :S], rows], axis=1)
+        return A.attention(
+            q, k, v, pos, valid, segment_ids_BT=jnp.asarray(valid, jnp.int32),
+            prompt_keys_BNS=keys, impl=impl, chunk=4,
+        )  # fmt: skip
+
     written = lambda q, k, v: _reference_attention(q, k, v, valid, keys, S, L)[0]  # noqa: E731
     grad = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)
     (_, out), g = grad(shared, q, k, v)

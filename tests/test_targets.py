@@ -359,8 +359,9 @@ def test_shared_prompt_rows_compile_for_the_target_with_its_kernel_on_the_prompt
     platform, accelerator, topology, kernel
 ):
     """`optim.share_prefix` rows, compiled by the target's own compiler: the prompt slot (256
-    tokens, head_dim 128) runs the target's flash kernel, the samples' attention XLA, and the
-    step fits and costs work."""
+    tokens, head_dim 128) runs the target's flash kernel; on the GPU the samples' attention
+    too (each sample gathered into a row of its own), on the TPU XLA; the step fits and costs
+    work."""
     tc = targets.toolchain(platform)
     if not tc.installed:
         pytest.skip(tc.detail)
@@ -382,7 +383,8 @@ def test_shared_prompt_rows_compile_for_the_target_with_its_kernel_on_the_prompt
         settings, mesh=mesh, rows=8, seq_len=512, slots=4, cache_len=256, compiled=compiled
     )
     text = compiled["update"].as_text()
-    assert kernel in text
+    # the prompt slot's forward and backward, and on the GPU the samples' as well
+    assert text.count(kernel) >= (4 if platform == "cuda" else 1)
     assert figures["update"].peak > 0 and targets.hlo_cost(text).flops > 0
 
 

@@ -17,9 +17,10 @@ slot j's queries to the prompt-slot keys `prompt_keys[b, j]` marks and causally 
 slot (a sample's tokens fill its slot from the start). They run as two attentions of the kinds
 below: the prompt slot's self-attention (any implementation, kernels included), and the N
 samples' queries over [the prompt's keys, their own] (dense or chunked), so no score is computed
-that a sample hides from another. Where "auto" would take cuDNN, each sample is instead gathered
-into a right-padded row of its own, [the prompt keys it sees, its own tokens], for cuDNN's
-causal self-attention: the prompt's queries are recomputed per sample, but in the fused kernel.
+that a sample hides from another. Where "auto" would take a kernel (cuDNN, Pallas TPU), each
+sample is instead gathered into a right-padded row of its own, [the prompt keys it sees, its own
+tokens], for the kernel's causal self-attention: the prompt's queries are recomputed per
+sample, but in the fused kernel.
 
 Implementations (`impl`):
   "dense"    the [B, H, T, S] float32 score matrix, as the model has always computed it; the
@@ -38,7 +39,8 @@ Implementations (`impl`):
              self-attention (T == S) with q_pos[b, t] == t, the training forward: never the
              queries of a KV-cache read (`kv_heads_first`), which sit at absolute positions.
              Its sequence length must be a multiple of 128 (the kernel's blocks); of
-             shared-prompt rows, the prompt slot. On a mesh
+             shared-prompt rows, the prompt slot, and the samples gathered into rows of
+             their own (rounded up to 128). On a mesh
              (`sharding.use_mesh`) it runs inside a `shard_map`, rows over the batch axes and
              heads over "tensor": the TPU compiler cannot partition a Mosaic kernel. Tested on
              CPU in Pallas TPU interpret mode (`pltpu.force_tpu_interpret_mode()`: the same
@@ -250,9 +252,11 @@ def _shared_prompt(q, k, v, kv_valid_BT, prompt_keys_BNS, impl, chunk):
         own = x[:, S:].reshape(B, N, L, n, Dh)
         return jnp.concatenate([prompt, own], axis=2).reshape(B * N, S + L, n, Dh)
 
-    rows = select_impl(impl, T=S + L, S=S + L, Dh=Dh, dtype=q.dtype, has_lengths=True)
-    if rows == "cudnn":
-        out_samples = _samples_as_rows(q, k, v, valid_BT, prompt_keys_BNS, rows, chunk)
+    W = -(-(S + L) // 128) * 128  # rows the Pallas kernel's 128-blocks take
+    rows = select_impl(impl, T=W, S=W, Dh=Dh, dtype=q.dtype, has_lengths=True)
+    if rows in ("cudnn", "pallas"):
+        width = W if rows == "pallas" else S + L
+        out_samples = _samples_as_rows(q, k, v, valid_BT, prompt_keys_BNS, rows, chunk, width)
     else:
         own = valid_BT[:, S:].reshape(B, N, L)
         seen = jnp.concatenate([prompt_keys_BNS.astype(bool), own], axis=2)
@@ -265,17 +269,18 @@ def _shared_prompt(q, k, v, kv_valid_BT, prompt_keys_BNS, impl, chunk):
     return jnp.concatenate([out_prompt, out_samples], axis=1)
 
 
-def _samples_as_rows(q, k, v, valid_BT, prompt_keys_BNS, impl, chunk):
+def _samples_as_rows(q, k, v, valid_BT, prompt_keys_BNS, impl, chunk, width=None):
     """The samples' attention of `_shared_prompt` for a kernel that takes only right-padded
-    causal self-attention (cuDNN): each sample gathered into a row of its own, the prompt keys
-    it sees then its own tokens, and attended with lengths. The prompt's queries are gathered
-    too (their outputs are dropped): more attention work than the queries-over-keys block, but in
-    one fused kernel, where that block's XLA path reads and writes every score block. The
-    gathers' transposes add up the prompt's gradients over the samples."""
+    causal self-attention (cuDNN, Pallas TPU): each sample gathered into a row of its own of
+    `width` (at least S + L), the prompt keys it sees then its own tokens, and attended with
+    lengths. The prompt's queries are gathered too (their outputs are dropped): more attention
+    work than the queries-over-keys block, but in one fused kernel, where that block's XLA path
+    reads and writes every score block. The gathers' transposes add up the prompt's gradients
+    over the samples."""
     B, T, H, Dh = q.shape
     _, N, S = prompt_keys_BNS.shape
     L = (T - S) // N
-    W = S + L
+    W = width or S + L
     seen_BNS = prompt_keys_BNS.astype(bool)
     h_BN = jnp.sum(seen_BNS, axis=2, dtype=jnp.int32)
     own_BN = jnp.sum(valid_BT[:, S:].reshape(B, N, L), axis=2, dtype=jnp.int32)

@@ -177,3 +177,37 @@ def test_pallas_on_a_mesh_runs_per_shard_and_equals_dense(tmp_path):
     r = run_on_8_devices(str(script), tmp_path, timeout=300)
     assert r["shard_map"], r
     assert r["out"] < TOL and max(r["grads"]) < TOL, r
+
+
+def test_shared_prompt_samples_gathered_into_rows_for_pallas_equal_dense():
+    """`optim.share_prefix` rows on a TPU: the samples' attention as rows of their own (the
+    prompt keys each sees, then its tokens, 128 wide) through the kernel equals the dense path,
+    value and gradient, a sample that sees no prompt and an empty slot included."""
+    B, S, N, L, H, K, Dh = 2, 40, 3, 30, 2, 1, 128
+    T = S + N * L
+    q, k, v = _inputs(B, T, H, K, Dh)
+    valid = np.zeros((B, T), bool)
+    valid[0, :25], valid[1, :40] = True, True  # prompts of 25 and 40 tokens
+    for b, lengths in enumerate(((30, 11, 0), (7, 30, 4))):
+        for j, n in enumerate(lengths):
+            valid[b, S + j * L : S + j * L + n] = True
+    keys = np.zeros((B, N, S), bool)
+    keys[0, :2, :25], keys[1, :2, :40] = True, True  # row 1's last sample sees no prompt
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(B, N * L, H, Dh)), jnp.float32)
+    w = w * valid[:, S:, None, None]
+
+    def dense(q, k, v):
+        pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+        return A.attention(q, k, v, pos, valid, prompt_keys_BNS=keys, impl="dense")[:, S:]
+
+    def rows(q, k, v):
+        return A._samples_as_rows(q, k, v, jnp.asarray(valid), keys, "pallas", None, 128)
+
+    grad = lambda f: jax.jit(jax.grad(lambda *x: jnp.sum(f(*x) * w), argnums=(0, 1, 2)))  # noqa: E731
+    want, g_want = jax.jit(dense)(q, k, v), grad(dense)(q, k, v)
+    with pltpu.force_tpu_interpret_mode():
+        got, g_got = jax.jit(rows)(q, k, v), grad(rows)(q, k, v)
+    m = valid[:, S:]
+    np.testing.assert_allclose(np.asarray(got)[m], np.asarray(want)[m], atol=TOL, rtol=TOL)
+    for gp, gd, what in zip(g_got, g_want, "qkv"):
+        np.testing.assert_allclose(gp, gd, atol=TOL, rtol=TOL, err_msg=f"d/d{what}")

@@ -229,8 +229,9 @@ def attention(
 
 def _shared_prompt(q, k, v, kv_valid_BT, prompt_keys_BNS, impl, chunk):
     """Rows of a prompt slot and N sample slots (see `attention`): the prompt slot's causal
-    self-attention, and each sample's queries over [the prompt's keys, its own]. The prompt's
-    keys are broadcast over the N samples, so their gradients add up over them."""
+    self-attention, then the samples' attention: where "auto" (or `impl`) takes a kernel for
+    rows of S + L, each sample in a row of its own (`_samples_as_rows`), else in XLA
+    (`_samples_over_prompt`)."""
     B, T, H, Dh = q.shape
     _, N, S = prompt_keys_BNS.shape
     L = (T - S) // N
@@ -246,27 +247,37 @@ def _shared_prompt(q, k, v, kv_valid_BT, prompt_keys_BNS, impl, chunk):
         kv_lengths_B=prompt_lengths, impl=impl, chunk=chunk,
     )  # fmt: skip
 
-    def samples(x):  # [B, S + N L, n, Dh] -> the keys each sample sees, [B N, S + L, n, Dh]
-        n = x.shape[2]
-        prompt = jnp.broadcast_to(x[:, None, :S], (B, N, S, n, Dh))
-        own = x[:, S:].reshape(B, N, L, n, Dh)
-        return jnp.concatenate([prompt, own], axis=2).reshape(B * N, S + L, n, Dh)
-
     W = -(-(S + L) // 128) * 128  # rows the Pallas kernel's 128-blocks take
     rows = select_impl(impl, T=W, S=W, Dh=Dh, dtype=q.dtype, has_lengths=True)
     if rows in ("cudnn", "pallas"):
         width = W if rows == "pallas" else S + L
         out_samples = _samples_as_rows(q, k, v, valid_BT, prompt_keys_BNS, rows, chunk, width)
     else:
-        own = valid_BT[:, S:].reshape(B, N, L)
-        seen = jnp.concatenate([prompt_keys_BNS.astype(bool), own], axis=2)
-        q_pos = jnp.broadcast_to(S + jnp.arange(L, dtype=jnp.int32), (B * N, L))  # after prompt
-        out_samples = attention(
-            q[:, S:].reshape(B * N, L, H, Dh), samples(k), samples(v), q_pos,
-            seen.reshape(B * N, S + L), impl=impl if impl in ("dense", "chunked") else "auto",
-            chunk=chunk,
-        ).reshape(B, N * L, H, Dh)  # fmt: skip
+        xla = impl if impl in ("dense", "chunked") else "auto"
+        out_samples = _samples_over_prompt(q, k, v, valid_BT, prompt_keys_BNS, xla, chunk)
     return jnp.concatenate([out_prompt, out_samples], axis=1)
+
+
+def _samples_over_prompt(q, k, v, valid_BT, prompt_keys_BNS, impl, chunk):
+    """The samples' attention of `_shared_prompt` in XLA: each sample's queries over [the
+    prompt's keys, broadcast over the samples; its own]."""
+    B, T, H, Dh = q.shape
+    _, N, S = prompt_keys_BNS.shape
+    L = (T - S) // N
+
+    def keys(x):  # [B, S + N L, n, Dh] -> the keys each sample sees, [B N, S + L, n, Dh]
+        n = x.shape[2]
+        prompt = jnp.broadcast_to(x[:, None, :S], (B, N, S, n, Dh))
+        own = x[:, S:].reshape(B, N, L, n, Dh)
+        return jnp.concatenate([prompt, own], axis=2).reshape(B * N, S + L, n, Dh)
+
+    own = valid_BT[:, S:].reshape(B, N, L)
+    seen = jnp.concatenate([prompt_keys_BNS.astype(bool), own], axis=2).reshape(B * N, S + L)
+    q_pos = jnp.broadcast_to(S + jnp.arange(L, dtype=jnp.int32), (B * N, L))  # after the prompt
+    out = attention(
+        q[:, S:].reshape(B * N, L, H, Dh), keys(k), keys(v), q_pos, seen, impl=impl, chunk=chunk
+    )
+    return out.reshape(B, N * L, H, Dh)
 
 
 def _samples_as_rows(q, k, v, valid_BT, prompt_keys_BNS, impl, chunk, width=None):

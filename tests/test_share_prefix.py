@@ -141,8 +141,8 @@ def _reference_attention(q, k, v, valid, keys, S, L):
 
 @pytest.mark.parametrize("impl", ["dense", "chunked", "auto", "rows-dense", "rows-chunked"])
 def test_shared_prompt_attention_equals_the_mask_written_out_and_samples_see_only_the_prompt(impl):
-    """rows-*: the samples' attention as a GPU runs it (cuDNN: each sample gathered into a
-    right-padded row of its own), here through the dense and chunked paths."""
+    """rows-*: the samples' attention as a GPU or TPU runs it (each sample gathered into a
+    right-padded row of its own, for the kernel), here through the dense and chunked paths."""
     B, S, N, L, H, K, Dh = 2, 9, 3, 7, 4, 2, 8
     T = S + N * L
     rng = np.random.default_rng(0)

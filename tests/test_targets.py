@@ -355,7 +355,7 @@ def test_xla_gpu_plans_the_tiny_model_on_8_h100s_with_cudnn_attention():
     "platform, accelerator, topology, kernel",
     [("tpu", "v5e", "v5e:2x2", "tpu_custom_call"), ("cuda", "h100-80g", "1x1x4", "__cudnn$fmha")],
 )
-def test_shared_prompt_rows_compile_for_the_target_with_its_kernel_on_the_prompt_slot(
+def test_shared_prompt_rows_compile_for_the_target_with_its_kernel_on_prompt_and_samples(
     platform, accelerator, topology, kernel
 ):
     """`optim.share_prefix` rows, compiled by the target's own compiler: the prompt slot (256

@@ -18,7 +18,7 @@ from jaxrl_tools.train import objectives, policy
 from jaxrl_tools.train.batch import make_batch
 from jaxrl_tools.train.packing import plan_packing, plan_shared_packing, slot_width, take_tokens
 from jaxrl_tools.train.step import StepSettings
-from jaxrl_tools.train.step_inputs import step_inputs
+from jaxrl_tools.train.step_inputs import shared_slots, step_inputs
 
 PROMPTS = (23, 20, 1)  # three groups of 4; the last prompt is 1 token: nothing to share
 RESPONSES = ((9, 2, 14, 5), (11, 3, 6, 8), (4, 7, 2, 5))
@@ -88,6 +88,24 @@ def test_a_group_is_split_to_fit_the_width_and_sharing_that_saves_nothing_is_pla
     alone = plan_shared_packing(tokens[::4], attention[::4].sum(1), mask[::4], width=120)
     assert alone.slots is None
     assert slot_width(15) == 15 and slot_width(33) == 34 and slot_width(257) == 272
+
+
+def test_a_later_batch_that_fits_the_slots_so_far_keeps_their_shapes():
+    """The trainer passes the widest slots so far (`shared_slots`): a batch of shorter prompts
+    and samples is laid out in them, so its step's shapes are the compiled ones."""
+    tokens, _, attention, mask = _groups()
+    first = plan_shared_packing(tokens, attention.sum(1), mask, width=120, multiple=2)
+    short = tokens * (np.arange(40) < 33)  # every row cut to 33 tokens
+    lengths, cut = np.minimum(attention.sum(1), 33), mask * (np.arange(40) < 33)
+    alone = plan_shared_packing(short, lengths, cut, width=120, multiple=2)
+    assert alone.slots == (22, 4, 12)  # its own longest sample: 1 + 11 tokens (prompt 20)
+    later = plan_shared_packing(short, lengths, cut, width=120, multiple=2, least=(22, 15))
+    assert later.slots == first.slots and later.width == first.width
+    np.testing.assert_array_equal(later.unpack(later.pack(short)), short)
+    rows = {"prompt_keys": later.prompt_keys_PNS, "tokens": later.pack(short)}
+    assert shared_slots({"rows": rows}) == (24, 16)  # rounded up: 4 widths per doubling
+    assert shared_slots({"rows": rows}, (30, 9)) == (30, 16)
+    assert shared_slots({"rows": {"tokens": short}}, (22, 15)) == (22, 15)  # plain: unchanged
 
 
 @pytest.fixture(scope="module")

@@ -113,6 +113,7 @@ def plan_shared_packing(
     *,
     width: int | None = None,
     multiple: int = 1,
+    least: tuple[int, int] = (0, 0),
 ) -> Packing:
     """The rows whose context is the same laid out as that context once, then each row's own
     tokens (the samples of one prompt: G x (P + R) tokens become P + G x R), in rows of slots:
@@ -128,10 +129,11 @@ def plan_shared_packing(
     with its own copy of the context. Rows that share their context with none fill free sample
     slots whole where they fit (seeing no prompt), else take a packed row of their own.
 
-    S and L are the longest shared context and sample, rounded up (`slot_width`: fewer
-    compiled shapes); N is the largest set, at most what `width` (default the padded rows')
-    holds. When no context is shared, or the slots would not hold fewer tokens than
-    `plan_packing` into rows of `width`, that plain packing is returned (`slots` None).
+    S and L are the longest shared context and sample, at least `least` (an earlier batch's
+    slots: its compiled shapes serve again), rounded up (`slot_width`); N is the largest set, at
+    most what `width` (default the padded rows') holds. When no context is shared, or the slots
+    would not hold fewer tokens than `plan_packing` into rows of `width`, that plain packing is
+    returned (`slots` None).
     """
     tokens, mask = np.asarray(tokens_RT), np.asarray(loss_mask_RT)
     lengths = np.asarray(lengths_R, np.int64)
@@ -150,12 +152,13 @@ def plan_shared_packing(
     shared = [rows for rows in sets.values() if len(rows) > 1]
     if not shared:
         return plain
-    L = slot_width(max(lengths[r] - head[r] for rows in shared for r in rows))
+    least_S, least_L = least
+    L = slot_width(max(least_L, *(lengths[r] - head[r] for rows in shared for r in rows)))
     singles = [rows[0] for rows in sets.values() if len(rows) == 1]
     fillers = [r for r in singles if lengths[r] <= L]
     units = shared + [[r] for r in singles if lengths[r] > L]  # these keep a prompt slot
-    S = slot_width(max(head[rows[0]] for rows in units))
-    L = slot_width(max(lengths[r] - head[r] for rows in units for r in rows))
+    S = slot_width(max(least_S, *(head[rows[0]] for rows in units)))
+    L = slot_width(max(least_L, *(lengths[r] - head[r] for rows in units for r in rows)))
     N = min(max(len(rows) for rows in units), (width - S) // L)
     if N < 2:  # a row holds no prompt slot and two samples
         return plain

@@ -37,7 +37,7 @@ from jaxrl_tools.config import AlgorithmSection, ConfigError, CriticSection, Opt
 from jaxrl_tools.train import lora
 from jaxrl_tools.train.state import TrainState
 from jaxrl_tools.train.step import RLState, RLStep, StepSettings, make_rl_step
-from jaxrl_tools.train.step_inputs import step_inputs
+from jaxrl_tools.train.step_inputs import shared_slots, step_inputs
 from jaxrl_tools.train.step_state import create_rl_state
 from jaxrl_tools.train.step_updates import WATCHED
 from jaxrl_tools.types import Batch
@@ -166,6 +166,8 @@ class RLTrainer:
         self.setup, self.mesh, self.rules = setup, mesh, rules
         self.settings = setup.step_settings(model_cfg, algorithm, optim, critic)
         self.rows = setup.rows
+        # Shared prompts: the widest slots so far (`_inputs`), samples from their longest.
+        self._slots = (0, self.settings.max_response_len + 1)
         _check_rows(self.rows, optim, mesh, rules)
         self.step_fn: RLStep = make_rl_step(self.settings, mesh, rules)
         self.rl_state: RLState = create_rl_state(
@@ -254,7 +256,10 @@ class RLTrainer:
         metrics of building them."""
         if batch.tokens_RT.shape[0] != self.rows:
             raise ValueError(f"batch has {batch.tokens_RT.shape[0]} rows, the trainer {self.rows}")
-        inputs, metrics = step_inputs(batch, self.settings)
+        inputs, metrics = step_inputs(batch, self.settings, self._slots)
+        # Shared prompts: the slots only grow, in coarse steps, so that steps reuse a compiled
+        # step (a batch's own longest prompt and sample would give a new shape almost each time).
+        self._slots = shared_slots(inputs, self._slots)
         if self.mesh is None:
             return jax.tree.map(jnp.asarray, inputs), metrics
         return jax.device_put(inputs, self.step_fn.batch_sharding), metrics

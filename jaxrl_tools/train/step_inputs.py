@@ -61,12 +61,16 @@ def _estimator_view(batch: Batch, estimator: str, group_size: int) -> dict[str, 
     return view
 
 
-def step_inputs(batch: Batch, settings) -> tuple[dict, dict[str, float]]:
+def step_inputs(
+    batch: Batch, settings, slots: tuple[int, int] = (0, 0)
+) -> tuple[dict, dict[str, float]]:
     """(the step's input arrays, host metrics) of `batch` (module docstring).
 
     Args:
       batch: the scored, padded batch (`train.batch.make_batch`).
       settings: the step's `train.step.StepSettings`.
+      slots: with shared prompts, the least prompt and sample slot widths (`shared_slots` of
+        an earlier step's inputs: the same shapes, compiled once, while batches fit them).
 
     Returns:
       ({"rows": ..., "estimator": ..., "layout": ...} of NumPy arrays ("layout" only when there
@@ -93,7 +97,12 @@ def step_inputs(batch: Batch, settings) -> tuple[dict, dict[str, float]]:
         width = o.pack_width or T
         if settings.share_prefix:
             packing = plan_shared_packing(
-                batch.tokens_RT, lengths, batch.loss_mask_RT, width=width, multiple=multiple
+                batch.tokens_RT,
+                lengths,
+                batch.loss_mask_RT,
+                width=width,
+                multiple=multiple,
+                least=slots,
             )
         else:
             packing = plan_packing(lengths, width, multiple=multiple, padded_width=T)
@@ -126,6 +135,19 @@ def step_inputs(batch: Batch, settings) -> tuple[dict, dict[str, float]]:
     if layout:
         inputs["layout"] = layout
     return inputs, metrics
+
+
+def shared_slots(inputs: dict, least: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+    """The prompt and sample slot widths of `step_inputs`' rows, at least `least`, rounded up to
+    one of 4 widths per doubling: what a later step passes as its `slots`, so that its rows keep
+    one shape while they fit (each new shape is a compile)."""
+    keys = inputs["rows"].get("prompt_keys")
+    if keys is None:
+        return least
+    _, N, S = keys.shape
+    L = (inputs["rows"]["tokens"].shape[1] - S) // N
+    coarse = lambda n: -(-n // (step := 1 << max(n.bit_length() - 3, 0))) * step  # noqa: E731
+    return max(least[0], coarse(S)), max(least[1], coarse(L))
 
 
 def full_batch(

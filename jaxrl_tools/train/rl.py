@@ -166,8 +166,7 @@ class RLTrainer:
         self.setup, self.mesh, self.rules = setup, mesh, rules
         self.settings = setup.step_settings(model_cfg, algorithm, optim, critic)
         self.rows = setup.rows
-        # Shared prompts: the widest slots so far (`_inputs`), samples from their longest.
-        self._slots = (0, self.settings.max_response_len + 1)
+        self._slots = (0, 0)  # shared prompts: the widest slots so far (`_inputs`)
         _check_rows(self.rows, optim, mesh, rules)
         self.step_fn: RLStep = make_rl_step(self.settings, mesh, rules)
         self.rl_state: RLState = create_rl_state(

@@ -32,11 +32,12 @@ def take_tokens(x, index, fill=0):
     return flat[index]
 
 
-def slot_width(n: int) -> int:
-    """n rounded up to a multiple of 2^(floor(log2 n) - 4): at most 6% more, and 16 widths per
-    doubling (so few compiled shapes)."""
+def slot_width(n: int, per_doubling: int = 16) -> int:
+    """n rounded up to one of `per_doubling` (a power of two) widths per doubling: by default a
+    multiple of 2^(floor(log2 n) - 4), at most 6% more (so few compiled shapes); 4 per doubling
+    is at most 25% more."""
     n = max(int(n), 1)
-    step = 1 << max(n.bit_length() - 5, 0)
+    step = 1 << max(n.bit_length() - per_doubling.bit_length(), 0)
     return -(-n // step) * step
 
 

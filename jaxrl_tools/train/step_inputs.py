@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxrl_tools import algorithms
-from jaxrl_tools.train.packing import plan_packing, plan_shared_packing
+from jaxrl_tools.train.packing import plan_packing, plan_shared_packing, slot_width
 from jaxrl_tools.types import Batch
 
 f32 = np.float32
@@ -146,8 +146,7 @@ def shared_slots(inputs: dict, least: tuple[int, int] = (0, 0)) -> tuple[int, in
         return least
     _, N, S = keys.shape
     L = (inputs["rows"]["tokens"].shape[1] - S) // N
-    coarse = lambda n: -(-n // (step := 1 << max(n.bit_length() - 3, 0))) * step  # noqa: E731
-    return max(least[0], coarse(S)), max(least[1], coarse(L))
+    return max(least[0], slot_width(S, 4)), max(least[1], slot_width(L, 4))
 
 
 def full_batch(

@@ -247,7 +247,7 @@ def close_episodes(episodes: envs.Episodes | None) -> None:
 
 
 def make_reward(cfg: RunConfig) -> CompositeReward:
-    return CompositeReward([(r.name, r.weight, r.kwargs) for r in cfg.reward])
+    return CompositeReward(cfg.reward)
 
 
 # ------------------------------------------------------------------------------ checkpoints

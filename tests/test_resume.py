@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,6 +39,13 @@ def text_reward(response: str, ground_truth=None, info=None) -> float:
     otherwise so fast that the run would end before the kill lands."""
     time.sleep(0.05)
     return (len(set(response)) % 3) / 2.0
+
+
+def hangs_after_step_1(response: str, ground_truth=None, info=None) -> float:
+    """text_reward at step 1; from step 2 on it never returns (a verifier stuck on an answer)."""
+    if info is not None and (info.step or 0) >= 2:
+        threading.Event().wait()
+    return text_reward(response)
 
 
 def _config(tmp: Path, name: str) -> dict:
@@ -167,6 +175,32 @@ def test_sigterm_saves_the_step_and_exits_with_one_line(runs):
     full = {r["step"]: r for r in _records(tmp / "full" / "logs")}
     term = {r["step"]: r for r in _records(tmp / "term" / "logs")}
     assert term[STEPS]["reward/mean"] == pytest.approx(full[STEPS]["reward/mean"], rel=1e-6)
+
+
+def test_sigterm_while_a_reward_hangs_saves_the_step_and_exits(runs):
+    """A reward that never returns is given up at its deadline (reward[].timeout_s), so the
+    step it hangs ends, is saved and the run exits on SIGTERM, its timeouts logged."""
+    tmp, _, _ = runs
+    cfg = _config(tmp, "hung")
+    cfg["reward"] = [{"name": "test_resume:hangs_after_step_1", "timeout_s": 0.5}]
+    cfg_path = tmp / "hung.json"
+    cfg_path.write_text(json.dumps(cfg))
+    cli = [sys.executable, "-m", "jaxrl_tools.cli", "train", "--config", str(cfg_path)]
+    proc = subprocess.Popen(cli, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    log = tmp / "hung" / "logs" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        if log.exists() and log.read_text().strip():
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)  # it hung here for ever before the deadlines
+    err = err.decode()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-4000:]
+    assert err.strip().splitlines()[-1].startswith("jaxrl-tools: stopped by SIGTERM after step 2")
+    steps = _records(tmp / "hung" / "logs")
+    assert [r["reward/timeouts"] for r in steps] == [0, 8]  # 2 prompts x 4 samples given up
+    assert _finished_steps(tmp / "hung" / "ckpt") == [2]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -127,7 +127,7 @@ def check_ground_truths(cfg: RunConfig, records: dict[str, Sequence[dict]]) -> N
     exact match wants strings fails at `check`, not hours in, when the policy first answers)."""
     if cfg.data.verifiers is not None:  # the taskset's rubric scores its episodes
         return
-    reward = rewards.CompositeReward([(r.name, r.weight, r.kwargs) for r in cfg.reward])
+    reward = rewards.CompositeReward(cfg.reward)
     for split, recs in records.items():
         for n, rec in enumerate(recs):
             msg = reward.truth_error(rec.get("ground_truth"))

@@ -188,9 +188,16 @@ class RewardSpec:
     name: str = "math"
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # Wall-clock bound of the term's call on one trajectory (rewards.deadline): its math
+    # checks stop there and count as wrong answers; a slow or imported reward's call still
+    # running a second later is given up and scores `timeout_score`. Both count in
+    # reward/timeouts.
+    timeout_s: float = 10.0
+    timeout_score: float = 0.0
 
     def __post_init__(self):
         _check(bool(self.name), "reward[].name", "must be non-empty")
+        _check(self.timeout_s > 0, "reward[].timeout_s", "must be > 0 seconds")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ tool_success, retool, dapo_overlong, env_return), tool calls (toolrl, tool_n1), 
 otc_grpo), DeepRetrieval's (retrieval, sql_exec) and ARTIST's (artist_answer, artist_format).
 """
 
+from jaxrl_tools.rewards import deadline
 from jaxrl_tools.rewards.answers import (
     CORRECTNESS_CHECKERS,
     is_correct,
@@ -40,6 +41,7 @@ from jaxrl_tools.rewards.outcome import (
     tool_success_reward,
 )
 from jaxrl_tools.rewards.registry import (
+    TIMEOUTS,
     CompositeReward,
     RewardError,
     TrajectoryInfo,
@@ -63,6 +65,8 @@ __all__ = [
     "artist_tag_sequence",
     "CORRECTNESS_CHECKERS",
     "CompositeReward",
+    "deadline",
+    "TIMEOUTS",
     "RewardError",
     "TrajectoryInfo",
     "get_reward",

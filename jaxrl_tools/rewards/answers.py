@@ -7,11 +7,10 @@ import functools
 import math
 import re
 import string
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from math_verify import parse, verify
+from jaxrl_tools.rewards import deadline
 
 # --------------------------------------------------------------------------------------------
 # Answer extraction and checking
@@ -63,33 +62,39 @@ def _as_number(s: str) -> float | None:
     return float(s) if _NUM_RE.match(s) else None
 
 
-def _in_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
 @functools.lru_cache(maxsize=65536)
-def _math_equal_cached(pred: str, gold: str, main_thread: bool) -> bool:
-    a, b = _as_number(pred), _as_number(gold)
-    if a is not None and b is not None:  # fast path: plain numbers
-        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
-    # signal-based timeouts only work in the main thread; worker threads run without.
-    timeout = 5 if main_thread else None
-    gold_p = parse(f"\\boxed{{{gold}}}", parsing_timeout=timeout)
-    if not gold_p:
-        gold_p = parse(gold, parsing_timeout=timeout)
-    pred_p = parse(f"\\boxed{{{pred}}}", parsing_timeout=timeout)
-    if not gold_p or not pred_p:
-        return pred.strip() == gold.strip()
-    return bool(verify(gold_p, pred_p, timeout_seconds=timeout))
+def _symbolic_equal_cached(pred: str, gold: str) -> bool | None:
+    value = deadline.SYMBOLIC.equal(pred, gold)
+    if value is deadline.TIMED_OUT:
+        raise _CheckTimedOut  # not cached: a later check may have more time
+    return value
+
+
+class _CheckTimedOut(Exception):
+    pass
 
 
 def math_equal(pred: str, gold: Any) -> bool:
-    """Mathematical equivalence of two answers (numbers fast, else math-verify)."""
+    """Mathematical equivalence of two answers: plain numbers here, anything else by
+    math-verify in a worker process, bounded by the thread's deadline (`rewards.deadline`).
+    A check past it is noted as a timeout (counted by the trainer as `reward/timeouts`) and
+    counts as not equal, so a reward scores it as its wrong answer."""
     gold_s = str(gold).strip()
     inner = last_boxed(gold_s)  # a ground truth given as "\boxed{...}"
     if inner is not None:
         gold_s = inner
-    return _math_equal_cached(pred.strip(), gold_s, _in_main_thread())
+    pred = pred.strip()
+    a, b = _as_number(pred), _as_number(gold_s)
+    if a is not None and b is not None:  # fast path: plain numbers
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+    try:
+        same = _symbolic_equal_cached(pred, gold_s)
+    except _CheckTimedOut:
+        deadline.note_timeout(f"the math check of {pred[:60]!r} against {gold_s[:60]!r}")
+        return False
+    if same is None:  # a side math-verify cannot parse: compare the strings
+        return pred == gold_s
+    return same
 
 
 def math_correct(response: str, ground_truth: Any) -> bool:

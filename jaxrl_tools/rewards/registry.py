@@ -16,7 +16,6 @@ Formulas: docs/METHODS.md, "Rewards"; the papers are cited at each function.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import importlib
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl_tools.data import DataError
+from jaxrl_tools.rewards import deadline
 from jaxrl_tools.rewards.answers import CORRECTNESS_CHECKERS, TRUTH_CHECKS, is_correct
 
 RewardFn = Callable[..., float]
@@ -118,6 +118,8 @@ def register_reward(
     """
 
     def deco(fn: RewardFn) -> RewardFn:
+        if name == TIMEOUTS:
+            raise ValueError(f"{TIMEOUTS!r} is the name of the timeouts' count; pick another")
         if name in _REGISTRY and _REGISTRY[name] is not fn:
             raise ValueError(f"reward {name!r} is already registered")
         _REGISTRY[name] = fn
@@ -160,6 +162,13 @@ def get_reward(name: str) -> RewardFn:
 # --------------------------------------------------------------------------------------------
 
 
+# parts[TIMEOUTS]: each trajectory's timed-out calls (the trainer logs their sum)
+TIMEOUTS = "timeouts"
+# A bounded call's checks end at its deadline; it is given up only this much later, so that a
+# call cut short by its own checks returns its value instead.
+GRACE_S = 1.0
+
+
 @dataclass(frozen=True)
 class _Term:
     name: str
@@ -168,26 +177,45 @@ class _Term:
     fn: RewardFn
     slow: bool
     group: bool
+    timeout_s: float
+    timeout_score: float
 
 
 def _call_term(term: _Term, response: str, gt: Any, info: TrajectoryInfo) -> float:
     return float(term.fn(response, gt, info, **term.kwargs))
 
 
-def _collect(term: _Term, values, responses: Sequence[str], ground_truths: Sequence[Any]):
-    """The term's values in order; the first that raises is a RewardError naming its item."""
-    out: list[float] = []
-    try:
-        for v in values:
-            out.append(v)
-    except Exception as e:  # noqa: BLE001 -- any reward bug or bad ground truth
-        i = len(out)
-        raise RewardError(
-            f"reward {term.name!r} raised {type(e).__name__}: {e} (ground truth "
-            f"{ground_truths[i]!r:.80}; response begins {responses[i][:120]!r})",
-            i,
-        ) from e
-    return out
+def _counted_call(term: _Term, item) -> tuple[float, int]:
+    """(value, timeouts noted during the call); an exception is returned, not raised."""
+    with deadline.counting_timeouts() as timeouts:
+        try:
+            return _call_term(term, *item), len(timeouts)
+        except Exception as e:  # noqa: BLE001 -- named with its item by _collect
+            return e, len(timeouts)
+
+
+def _collect(term: _Term, results, responses: Sequence[str], ground_truths: Sequence[Any]):
+    """(values, timeouts) of the term's calls in order: a call past its deadline scores the
+    term's timeout_score; the first that raised is a RewardError naming its item."""
+    values, timeouts = [], []
+    for i, result in enumerate(results):
+        if result is deadline.TIMED_OUT:
+            deadline.note_timeout(
+                f"reward {term.name!r} ran past reward[].timeout_s={term.timeout_s} (response "
+                f"begins {responses[i][:80]!r}); scored reward[].timeout_score="
+                f"{term.timeout_score}"
+            )
+            result = (term.timeout_score, 1)
+        value, n = result
+        if isinstance(value, Exception):
+            raise RewardError(
+                f"reward {term.name!r} raised {type(value).__name__}: {value} (ground truth "
+                f"{ground_truths[i]!r:.80}; response begins {responses[i][:120]!r})",
+                i,
+            ) from value
+        values.append(value)
+        timeouts.append(n)
+    return values, timeouts
 
 
 class CompositeReward:
@@ -196,31 +224,47 @@ class CompositeReward:
     Args:
       terms: (name, weight, kwargs) triples, or objects/dicts with name/weight/kwargs
         (e.g. config.RewardSpec).
-      max_workers: worker count of the batch API's pool for slow rewards.
-      executor: "thread" (default; math-verify runs without its signal timeout) or "process"
-        (true parallelism for CPU-bound checking; rewards must be importable module functions).
+        Each term may also give `timeout_s` and `timeout_score` (config.RewardSpec's).
+      max_workers: threads of the batch API for slow rewards.
+
+    Every call of a term on a trajectory is bounded by its `timeout_s` (wall clock, in any
+    thread: `rewards.deadline`). Its symbolic math checks stop at that deadline and count as
+    not equal (the reward scores its wrong answer); a slow or imported term's call still
+    running a second later is given up and scores `timeout_score`. Either is counted in
+    `parts[TIMEOUTS]`.
     """
 
-    def __init__(self, terms: Sequence[Any], *, max_workers: int = 4, executor: str = "thread"):
-        if executor not in ("thread", "process"):
-            raise ValueError(f"executor must be 'thread' or 'process', got {executor!r}")
+    def __init__(self, terms: Sequence[Any], *, max_workers: int = 4):
         self.terms: list[_Term] = []
         for t in terms:
             if isinstance(t, Mapping):
                 name, weight, kwargs = t["name"], t.get("weight", 1.0), t.get("kwargs", {})
+                limits = t.get("timeout_s"), t.get("timeout_score")
             elif isinstance(t, tuple | list):
                 name, weight, kwargs = (list(t) + [1.0, {}][len(t) - 1 :])[:3]
+                limits = None, None
             else:
                 name, weight, kwargs = t.name, t.weight, t.kwargs
+                limits = getattr(t, "timeout_s", None), getattr(t, "timeout_score", None)
             fn = get_reward(name)
+            timeout_s = deadline.DEFAULT_TIMEOUT_S if limits[0] is None else float(limits[0])
             self.terms.append(
-                _Term(name, float(weight), dict(kwargs or {}), fn, name in _SLOW, name in _GROUP)
+                _Term(
+                    name,
+                    float(weight),
+                    dict(kwargs or {}),
+                    fn,
+                    # a reward imported by name is not ours to trust with the step's thread
+                    name in _SLOW or name not in _REGISTRY,
+                    name in _GROUP,
+                    timeout_s,
+                    float(limits[1] or 0.0),
+                )
             )
         names = [t.name for t in self.terms]
         if len(set(names)) != len(names):
             raise ValueError(f"CompositeReward: duplicate reward names {names}")
         self.max_workers = max_workers
-        self.executor = executor
 
     @property
     def names(self) -> list[str]:
@@ -268,7 +312,7 @@ class CompositeReward:
         *,
         group_ids: Sequence[Any] | None = None,
     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Rewards for a batch; slow terms run in a concurrent.futures pool.
+        """Rewards for a batch; slow terms run on `max_workers` threads, every call bounded.
 
         Args:
           responses, ground_truths: aligned, length N.
@@ -277,45 +321,40 @@ class CompositeReward:
             whose group context (call counts, correctness) is filled in here when missing.
 
         Returns:
-          (totals_N float32, {term name: values_N float32 (unweighted)}).
+          (totals_N float32, {term name: values_N float32 (unweighted), TIMEOUTS: each
+          trajectory's timed-out calls_N float32}).
         """
         n = len(responses)
         if len(ground_truths) != n or (infos is not None and len(infos) != n):
             raise ValueError("responses, ground_truths and infos must have the same length")
         infos = [i or TrajectoryInfo() for i in (infos if infos is not None else [None] * n)]
         parts: dict[str, np.ndarray] = {}
-        pool = None
-        try:
-            for term in self.terms:
-                term_infos = infos
-                if term.group:
-                    term_infos = self._with_group_context(
-                        term, responses, ground_truths, infos, group_ids
-                    )
-                if term.slow and n > 1 and self.max_workers > 1:
-                    if pool is None:
-                        cls = (
-                            concurrent.futures.ThreadPoolExecutor
-                            if self.executor == "thread"
-                            else concurrent.futures.ProcessPoolExecutor
-                        )
-                        pool = cls(max_workers=self.max_workers)
-                    fn = functools.partial(_call_term, term)
-                    vals = pool.map(fn, responses, ground_truths, term_infos)
-                else:
-                    vals = (
-                        _call_term(term, r, g, i)
-                        for r, g, i in zip(responses, ground_truths, term_infos)
-                    )
-                parts[term.name] = np.asarray(
-                    _collect(term, vals, responses, ground_truths), np.float32
+        timeouts = np.zeros((n,), np.float32)
+        for term in self.terms:
+            term_infos = infos
+            if term.group:
+                term_infos = self._with_group_context(
+                    term, responses, ground_truths, infos, group_ids
                 )
-        finally:
-            if pool is not None:
-                pool.shutdown()
+            items = list(zip(responses, ground_truths, term_infos))
+            if term.slow:
+                results = deadline.run_bounded(
+                    functools.partial(_counted_call, term),
+                    items,
+                    timeout_s=term.timeout_s,
+                    grace_s=GRACE_S,
+                    workers=self.max_workers,
+                )
+            else:  # our own string rules: only their math checks can take long
+                with deadline.deadline(term.timeout_s):
+                    results = [_counted_call(term, item) for item in items]
+            values, counts = _collect(term, results, responses, ground_truths)
+            parts[term.name] = np.asarray(values, np.float32)
+            timeouts += np.asarray(counts, np.float32)
         totals = np.zeros((n,), np.float32)
         for term in self.terms:
             totals += np.float32(term.weight) * parts[term.name]
+        parts[TIMEOUTS] = timeouts
         return totals, parts
 
     @staticmethod
@@ -325,7 +364,10 @@ class CompositeReward:
         if group_ids is None:
             raise ValueError(f"reward {term.name!r} needs group_ids in CompositeReward.batch")
         kind = term.kwargs.get("correctness", "math")
-        correct = [is_correct(r, g, kind) for r, g in zip(responses, ground_truths)]
+        correct = []
+        for r, g in zip(responses, ground_truths):
+            with deadline.deadline(term.timeout_s):
+                correct.append(is_correct(r, g, kind))
         members: dict[Any, list[int]] = {}
         for idx, gid in enumerate(group_ids):
             members.setdefault(gid, []).append(idx)

@@ -16,7 +16,13 @@ import numpy as np
 
 from jaxrl_tools import algorithms
 from jaxrl_tools.config import FiltersSection
-from jaxrl_tools.rewards import CORRECTNESS_CHECKERS, CompositeReward, RewardError, TrajectoryInfo
+from jaxrl_tools.rewards import (
+    CORRECTNESS_CHECKERS,
+    TIMEOUTS,
+    CompositeReward,
+    RewardError,
+    TrajectoryInfo,
+)
 from jaxrl_tools.types import Batch, Record, Trajectory
 
 
@@ -132,7 +138,8 @@ def rollout_metrics(
         "response/length_max": float(lengths.max(initial=0)),
     }
     for name, values in parts.items():
-        out[f"reward/{name}"] = float(np.mean(values))
+        total = name == TIMEOUTS  # calls, not a mean
+        out[f"reward/{name}"] = float(np.sum(values) if total else np.mean(values))
     checker = next((name for name in CORRECTNESS_CHECKERS if name in parts), None)
     if checker is not None:  # a reward term that is an answer check gives the accuracy
         out["reward/accuracy"] = float(np.mean(np.asarray(parts[checker]) > 0))

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+AGENT_TIMEOUT = "agent_timeout"  # finish reason of an agent run cut at its timeout
+
 Record = Mapping[str, Any]
 
 
@@ -69,7 +71,8 @@ class Trajectory:
       spans: model / observation turns in response coordinates.
       tool_calls: ToolCallRecord per call attempt (executed or not).
       num_tool_calls: calls actually executed.
-      finish_reason: "eos" | "stop" | "length" | "budget" | "turns" | "done".
+      finish_reason: "eos" | "stop" | "length" | "budget" | "turns" | "done", or
+        AGENT_TIMEOUT (an agent run cut at rollout.agent_timeout_s).
       env_rewards: rewards returned by the environment, one per env step.
       env_states: per env step, the state its action was taken in (`info["anchor_state"]`,
         GiGPO's anchor; None when the environment gives none).

@@ -5,6 +5,7 @@ backend (concurrent requests, each as if alone)."""
 
 import asyncio
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from jaxrl_tools.rollout.agents import AgentError
 from jaxrl_tools.rollout.engine import EngineCore
 from jaxrl_tools.tools import ToolCall, ToolExecutor, function_tool, get_parser
 from jaxrl_tools.train.batch import make_batch, score_trajectories
+from jaxrl_tools.types import AGENT_TIMEOUT
 
 pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -115,7 +117,21 @@ async def broken_agent(client, record):
         messages += [{"role": "user", "content": "More."}]
 
 
-def _sampler(eng, tok, agent=None, protocol="qwen", group=2, max_samples=1):
+async def hung_agent(client, record):
+    """Record "a" never returns after its first request, "b" before any; "c" answers."""
+    if record["id"] == "b":
+        await asyncio.Event().wait()
+    await client.chat.completions.create(model="p", messages=record["messages"], max_tokens=3)
+    if record["id"] == "a":
+        await asyncio.Event().wait()
+    return 1.0
+
+
+async def one_argument_agent(client):
+    return 1.0
+
+
+def _sampler(eng, tok, agent=None, protocol="qwen", group=2, max_samples=1, timeout_s=600.0):
     settings = RolloutSection(
         protocol=protocol,
         group_size=group,
@@ -126,6 +142,7 @@ def _sampler(eng, tok, agent=None, protocol="qwen", group=2, max_samples=1):
         slots=eng.slots,
         agent=agent,
         agent_max_samples=max_samples,
+        agent_timeout_s=timeout_s,
     )
     return Sampler(eng, tok, ToolExecutor([add]), settings, system_prompt="You add.")
 
@@ -204,6 +221,23 @@ def test_an_agent_that_raises_stops_the_rollout_naming_the_record(tiny, tok):
     sampler = _sampler(eng, tok, agent="test_agents:broken_agent", protocol="none")
     with pytest.raises(AgentError, match=r"rollout.agent raised on record a, run 0: KeyError"):
         sampler(RECORDS, 1, params)  # and the other run, asking forever, is stopped
+
+
+def test_an_agent_that_never_returns_is_cut_at_its_timeout_and_its_group_left_out(tiny, tok):
+    eng, params = _engine(tiny, tok, [-1] * 4 + _enc(tok, "<|im_end|>"))
+    sampler = _sampler(eng, tok, "test_agents:hung_agent", protocol="none", timeout_s=1.0)
+    records = [*RECORDS, {"id": "c", "prompt": "Say 5.", "ground_truth": "5"}]
+    t0 = time.monotonic()
+    trajs = sampler(records, 2, params)  # hung for ever before the timeout
+    assert time.monotonic() - t0 < 60
+    assert [t.finish_reason == AGENT_TIMEOUT for t in trajs] == [True] * 4 + [False] * 2
+    assert len(trajs[0].response_ids) == 3 and trajs[2].response_ids == []  # b asked nothing
+    assert len(trajs[2].prompt_ids) > 10  # its prompt, rendered
+    assert sampler.take_metrics()["agent/timeouts"] == 4.0
+    batch = make_batch(records, trajs, None, FiltersSection(), group_size=2, rows=6, pad_id=0)
+    assert batch.num_rows == 2  # c's group only
+    assert batch.tokens_RT[0, : len(trajs[4].token_ids)].tolist() == trajs[4].token_ids
+    assert batch.scores_R.tolist()[:2] == [1.0, 1.0]
 
 
 def test_the_chat_continues_the_sampled_tokens_and_renders_anything_else(tok):
@@ -304,6 +338,7 @@ def test_the_demo_agent_trains_beside_the_built_in_loop_in_a_smoke_run(tmp_path,
 
 def test_agent_settings_that_cannot_work_are_one_line_errors(tmp_path):
     from jaxrl_tools import configs
+    from jaxrl_tools.check import check_tools
     from jaxrl_tools.config import ConfigError, RolloutSection
     from jaxrl_tools.config_loader import load_config
 
@@ -324,6 +359,15 @@ def test_agent_settings_that_cannot_work_are_one_line_errors(tmp_path):
         load_agent("nowhere:run")
     with pytest.raises(ConfigError, match=r"must be an async function"):
         load_agent("json:dumps")
+    with pytest.raises(ConfigError, match=r"must take \(client, record\): too many"):
+        load_agent("test_agents:one_argument_agent")
+    with pytest.raises(ConfigError, match=r"rollout.agent_timeout_s must be > 0"):
+        RolloutSection(agent="my_agents:run", agent_timeout_s=0)
+    # `check` loads the agent before anything is built: a missing module is one line
+    agent = ["rollout.agent=nowhere:run", "rollout.protocol=none"]
+    cfg = load_config(configs.path("grpo_tool_math"), agent)
+    with pytest.raises(ConfigError, match=r"^rollout.agent='nowhere:run' cannot be loaded"):
+        check_tools(cfg)
 
 
 def test_sft_traces_past_sft_max_len_are_one_line(tmp_path, monkeypatch, capsys):

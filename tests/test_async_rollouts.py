@@ -156,3 +156,13 @@ def test_stale_rollouts_need_a_correction(tmp_path):
 def test_the_old_key_says_what_replaced_it(tmp_path):
     with pytest.raises(ConfigError, match="trainer.max_staleness: 1"):
         _config(tmp_path, "old", async_rollouts=True)
+
+
+def test_staleness_is_bounded(tmp_path):
+    """A huge k would sample the whole run with the first policy, its batches queued in memory."""
+    with pytest.raises(ConfigError, match=r"trainer.max_staleness must be in \[0, 8\].*got 9"):
+        _config(tmp_path, "far", max_staleness=9)
+    pipe = ahead.RolloutsAhead(lambda b, p: b, 0, start=0, last=3, max_staleness=2)
+    assert pipe._ready.maxsize == 4  # k + 1 batches ahead and the worker's error
+    assert [pipe.take(b)[0] for b in (1, 2, 3)] == [1, 2, 3]
+    pipe.close()

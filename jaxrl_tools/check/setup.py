@@ -16,6 +16,7 @@ import jax
 
 from jaxrl_tools import rewards, sharding, tools
 from jaxrl_tools.config import ConfigError, RunConfig
+from jaxrl_tools.config.checks import agent_function
 from jaxrl_tools.rollout import declares_tools
 
 WRITE_PROBE_TIMEOUT_S = 10.0
@@ -62,11 +63,14 @@ def build_tools(cfg: RunConfig) -> list[tools.Tool]:
 
 
 def check_tools(cfg: RunConfig) -> list[tools.Tool]:
-    """The tools build, the protocol has a tool to call, and the Python sandbox can start.
+    """The agent loads, the tools build, the protocol has a tool to call, and the Python
+    sandbox can start.
 
     Returns:
       The built (not started) tools.
     """
+    if cfg.rollout.agent is not None:  # before the model and engine are built
+        agent_function(cfg.rollout.agent)
     built = build_tools(cfg)
     protocol = cfg.rollout.protocol
     if protocol != "none" and not built and cfg.rollout.agent is None:  # agents bring theirs

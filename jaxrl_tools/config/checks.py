@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,19 @@ def import_object(spec: str, field: str, kind: str) -> Any:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"{field}={spec!r} cannot be loaded: {e}") from None
+
+
+def agent_function(spec: str) -> Any:
+    """The agent `spec` ("package.module:function", `rollout.agent`) names: an async function
+    taking (client, record); a one-line ConfigError otherwise."""
+    fn = import_object(spec, "rollout.agent", "function")
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"rollout.agent={spec!r} must be an async function(client, record)")
+    try:
+        inspect.signature(fn).bind(None, {})
+    except TypeError as e:
+        raise ConfigError(f"rollout.agent={spec!r} must take (client, record): {e}") from None
+    return fn
 
 
 def _check(cond: bool, name: str, msg: str) -> None:

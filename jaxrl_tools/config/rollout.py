@@ -69,6 +69,9 @@ class RolloutSection:
     # rewritten history) starts another, trained as a row of its own with the run's advantage;
     # past this many it is refused (HTTP 400). Above 1, the update has this many rows per run.
     agent_max_samples: int = 1
+    # Wall-clock bound of one agent run: past it the run is cancelled, its group left out of
+    # the update and counted in agent/timeouts (a run that never returns cannot hang training).
+    agent_timeout_s: float = 600.0
 
     def __post_init__(self):
         _check_choice(self.protocol, "rollout.protocol", PROTOCOLS)
@@ -112,6 +115,7 @@ class RolloutSection:
             "agent_max_samples",
         )
         _check(self.max_tool_calls >= 0, "rollout.max_tool_calls", "must be >= 0")
+        _check(self.agent_timeout_s > 0, "rollout.agent_timeout_s", "must be > 0 seconds")
         _check(
             self.max_turn_tokens is None or 1 <= self.max_turn_tokens <= self.max_response_len,
             "rollout.max_turn_tokens",

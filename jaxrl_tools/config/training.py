@@ -181,6 +181,12 @@ class AlgorithmSection:
         return self.dual_clip_c
 
 
+# trainer.max_staleness's bound: AReaL's staleness ablations (2505.24298) stay within single
+# digits, as do ours (k <= 4 in tests and benchmarks); past it the run would train on samples
+# of policies too old for truncated importance weights to correct, held in memory meanwhile.
+MAX_STALENESS = 8
+
+
 @dataclass(frozen=True)
 class RewardSpec:
     """One term of the composite reward: a registered reward name, its weight and kwargs."""
@@ -357,7 +363,13 @@ class TrainerSection:
         )
         _check(self.log_samples_every >= 0, "trainer.log_samples_every", "must be >= 0 (0 = off)")
         _check_choice(self.on_nonfinite, "trainer.on_nonfinite", ("stop", "skip_step"))
-        _check(self.max_staleness >= 0, "trainer.max_staleness", "must be >= 0 (0 = on-policy)")
+        _check(
+            0 <= self.max_staleness <= MAX_STALENESS,
+            "trainer.max_staleness",
+            f"must be in [0, {MAX_STALENESS}] (0 = on-policy), got {self.max_staleness}: each "
+            "unit holds one more sampled batch and weight copy, and the off-policy corrections "
+            "are meant for a few updates of lag, not a run sampled by its first policy",
+        )
         _check(
             not self.partial_rollouts or self.max_staleness >= 1,
             "trainer.partial_rollouts",

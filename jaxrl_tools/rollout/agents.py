@@ -19,6 +19,13 @@ A request that does not (the agent rewrote or cut its history) is refused (HTTP 
 trained as `Trajectory.turns`, each sample a row with the episode's advantage (counted in
 `agent/rewrites`).
 
+A run is bounded by `rollout.agent_timeout_s` (wall clock): past it, it is cancelled (its
+awaits raise CancelledError) and its trajectory, what the policy sampled so far, ends with
+finish reason AGENT_TIMEOUT; the trainer leaves its group out of the update (its ending is not
+the policy's, and any score given it would bias the group's baseline) and counts it in
+`agent/timeouts`. An agent that blocks the event loop (a synchronous sleep, a busy loop)
+cannot be bounded so: make its waits awaits.
+
 Group sampling runs the agent G times per record, concurrently. One process only: the agent is
 arbitrary code, and the multi-controller driver would need every process to run it alike.
 """
@@ -27,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import inspect
 import logging
 import numbers
 import re
@@ -37,17 +43,17 @@ from typing import Any
 
 import jax
 
-from jaxrl_tools.config import ConfigError
-from jaxrl_tools.config.checks import import_object
+from jaxrl_tools.config.checks import agent_function
 from jaxrl_tools.gateway.backend import BadRequest, Completion, Generation, OnTokens
 from jaxrl_tools.gateway.chat import TemplateChat
 from jaxrl_tools.gateway.engine_backend import EngineBackend, RequestResolver, completion_of
 from jaxrl_tools.rollout.loop import RolloutLimits
 from jaxrl_tools.rollout.resolver import Append, Finish, Sample
 from jaxrl_tools.rollout.sampling import SamplingParams
-from jaxrl_tools.types import Span, ToolCallRecord, Trajectory
+from jaxrl_tools.types import AGENT_TIMEOUT, Span, ToolCallRecord, Trajectory
 
 Agent = Callable[[Any, dict], Any]
+log = logging.getLogger(__name__)
 
 
 class AgentError(RuntimeError):
@@ -56,10 +62,7 @@ class AgentError(RuntimeError):
 
 def load_agent(spec: str) -> Agent:
     """The async function `spec` names ("package.module:function")."""
-    fn = import_object(spec, "rollout.agent", "function")
-    if not inspect.iscoroutinefunction(fn):
-        raise ConfigError(f"rollout.agent={spec!r} must be an async function(client, record)")
-    return fn
+    return agent_function(spec)
 
 
 class _Episode:
@@ -73,6 +76,7 @@ class _Episode:
         self.rewrites = 0
         self.calls = 0
         self.ended = False  # the agent returned, raised or was cancelled
+        self.timed_out = False
 
     def end(self) -> None:
         """No more requests: the last sample finishes with its last segment's reason."""
@@ -266,9 +270,15 @@ def _reward(result: Any, where: str) -> float | None:
     )
 
 
-def _episode_trajectory(ep: _Episode, reward: float | None, as_turns: bool) -> Trajectory:
+def _episode_trajectory(
+    ep: _Episode, reward: float | None, as_turns: bool, prompt_ids: list[int]
+) -> Trajectory:
     """The episode as one trajectory, or (`as_turns`: it may have several samples) as its
-    samples' `turns`."""
+    samples' `turns`; a run cut before its first request: its prompt, no response."""
+    if not ep.parts:
+        t = Trajectory(ep.prompt_index, ep.sample_index, list(prompt_ids))
+        t.finish_reason = AGENT_TIMEOUT
+        return t
     parts = [s.traj for s in ep.parts]
     if not as_turns:
         t = parts[0]
@@ -286,7 +296,13 @@ def _episode_trajectory(ep: _Episode, reward: float | None, as_turns: bool) -> T
         t.response_text = "\n".join(p.response_text for p in parts)
         t.model_text = "\n".join(p.model_text for p in parts)
     t.agent_reward = reward
+    if ep.timed_out:
+        t.finish_reason = AGENT_TIMEOUT
     return t
+
+
+def _prompt_ids(chat: TemplateChat, record: dict) -> list[int]:
+    return chat.prompt_ids(record["messages"], record.get("tool_schemas") or None)
 
 
 async def arun_agent_rollouts(
@@ -302,6 +318,7 @@ async def arun_agent_rollouts(
     sampling: SamplingParams | None = None,
     rng: jax.Array | int = 0,
     max_samples: int = 1,
+    timeout_s: float | None = None,
     stats: dict | None = None,
 ) -> list[Trajectory]:
     """Runs `agent` `num_samples` times per record (concurrently) on the policy `params`.
@@ -321,7 +338,9 @@ async def arun_agent_rollouts(
       max_samples: samples one run may make (a rewritten history starts another; past this
         many the request is refused). Above 1, every run's trajectory holds its samples as
         `turns` (trained a row each).
-      stats: filled with rewrites, calls, samples and runs.
+      timeout_s: wall-clock bound of each run (None: none); past it the run is cancelled and
+        its trajectory's finish reason is AGENT_TIMEOUT.
+      stats: filled with rewrites, calls, samples, runs and timeouts.
 
     Returns:
       One trajectory per run, sorted by (record, run); `agent_reward` set where the agent
@@ -348,7 +367,11 @@ async def arun_agent_rollouts(
         client = gateway.client_for(name)
         where = f"record {record.get('id', pi)}, run {g}"
         try:
-            result = await agent(client, dict(record))
+            result = await asyncio.wait_for(agent(client, dict(record)), timeout_s)
+        except TimeoutError:
+            log.warning("rollout.agent ran past rollout.agent_timeout_s=%s on %s", timeout_s, where)
+            ep.timed_out = True
+            return None
         except Exception as e:
             raise AgentError(f"rollout.agent raised on {where}: {type(e).__name__}: {e}") from e
         finally:
@@ -382,7 +405,12 @@ async def arun_agent_rollouts(
     ):
         by_key[pi, g] = r
     out = [
-        _episode_trajectory(ep, by_key[ep.prompt_index, ep.sample_index], max_samples > 1)
+        _episode_trajectory(
+            ep,
+            by_key[ep.prompt_index, ep.sample_index],
+            max_samples > 1,
+            [] if ep.parts else _prompt_ids(chat, records[ep.prompt_index]),
+        )
         for ep in episodes
     ]
     if stats is not None:
@@ -391,6 +419,7 @@ async def arun_agent_rollouts(
             calls=sum(e.calls for e in episodes),
             samples=sum(len(e.parts) for e in episodes),
             runs=len(episodes),
+            timeouts=sum(e.timed_out for e in episodes),
         )
     return out
 

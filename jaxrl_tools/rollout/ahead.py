@@ -75,7 +75,9 @@ class RolloutsAhead:
         self._granted: Callable | None = None  # the request the worker let run
         self._alive, self._stop = True, False
         self._before: dict[int, dict] = {}  # batch -> streams before it
-        self._ready: queue.Queue = queue.Queue()
+        # The schedule samples at most k + 1 batches ahead of their update; one more place for
+        # the worker's error.
+        self._ready: queue.Queue = queue.Queue(maxsize=max_staleness + 2)
         self.gate_s = 0.0  # the worker's time held by the staleness bound since `take`
         self.swaps = 0  # rollouts switched to newer weights since `take`
         # The decode loop's weights and their version (read between passes).

@@ -229,6 +229,7 @@ class Sampler:
             sampling=sampling,
             rng=key,
             max_samples=self.settings.agent_max_samples,
+            timeout_s=self.settings.agent_timeout_s,
             stats=stats,
         )
         self._agent_stats = stats
@@ -237,7 +238,8 @@ class Sampler:
     def take_metrics(self) -> dict[str, float]:
         """The agent loop's scheduling since the last call (then reset): trajectories parked
         out of their slots while waiting on a tool, and the most in flight at once; with
-        `rollout.agent`, the requests per run and the rewritten histories."""
+        `rollout.agent`, the requests per run, the rewritten histories and the runs cut at
+        `rollout.agent_timeout_s`."""
         out = {
             "schedule/parks": float(self._parks),
             "schedule/in_flight_max": float(self._in_flight),
@@ -247,6 +249,7 @@ class Sampler:
             st = self._agent_stats
             out["agent/calls_per_run"] = st["calls"] / max(1, st["runs"])
             out["agent/rewrites"] = float(st["rewrites"])
+            out["agent/timeouts"] = float(st["timeouts"])
             self._agent_stats = {}
         return out
 

@@ -23,7 +23,7 @@ from jaxrl_tools.rewards import (
     RewardError,
     TrajectoryInfo,
 )
-from jaxrl_tools.types import Batch, Record, Trajectory
+from jaxrl_tools.types import AGENT_TIMEOUT, Batch, Record, Trajectory
 
 
 def _bucket(n: int, multiple: int) -> int:
@@ -83,8 +83,11 @@ def score_trajectories(
     group_ids = [i // group_size for i in range(len(trajectories))]
     gts = [records[g].get("ground_truth") for g in group_ids]
     texts = [t.model_text for t in trajectories]
-    returned = [t.agent_reward is not None for t in trajectories]
-    if any(returned):  # agents written as client code score their own episodes
+    # a run cut at its timeout returns nothing (its group is left out of the update)
+    returned = [
+        t.agent_reward is not None or t.finish_reason == AGENT_TIMEOUT for t in trajectories
+    ]
+    if any(t.agent_reward is not None for t in trajectories):  # agents score their episodes
         if not all(returned):
             i = returned.index(False)
             rec = records[group_ids[i]]
@@ -93,7 +96,7 @@ def score_trajectories(
                 "returned no reward where others did; return one from every run, or none",
                 i,
             )
-        scores = np.asarray([t.agent_reward for t in trajectories], np.float32)
+        scores = np.asarray([t.agent_reward or 0.0 for t in trajectories], np.float32)
         return scores, {"agent": scores}
     try:
         return reward.batch(texts, gts, infos, group_ids=group_ids)
@@ -191,6 +194,19 @@ def anchor_metrics(trajectories: Sequence[Trajectory], group_size: int) -> dict:
         "env/anchor_group_size": float(sizes.mean()),
         "env/anchor_shared_frac": float((sizes > 1).mean()),
     }
+
+
+def complete_groups(groups, trajectories: Sequence[Trajectory], group_size: int) -> list[int]:
+    """`groups` without those holding an agent run cut at rollout.agent_timeout_s: its ending
+    is not the policy's, and any score given it would bias its group's baseline."""
+    return [
+        g
+        for g in groups
+        if all(
+            t.finish_reason != AGENT_TIMEOUT
+            for t in trajectories[g * group_size : (g + 1) * group_size]
+        )
+    ]
 
 
 def filter_groups(scores_N: np.ndarray, group_size: int, filters: FiltersSection) -> np.ndarray:
@@ -359,7 +375,9 @@ def make_batch(
     rollout's statistics go in `Batch.metrics`; scored at RL step `step`. `baselines`
     ([len(records)], ReMax): each record's greedy-rollout reward, per row."""
     scores, parts = score_trajectories(reward, records, trajectories, group_size, step)
-    keep_groups = filter_groups(scores, group_size, filters)
+    keep_groups = complete_groups(
+        filter_groups(scores, group_size, filters), trajectories, group_size
+    )
     keep = [g * group_size + j for g in keep_groups for j in range(group_size)]
     metrics = rollout_metrics(trajectories, scores, parts, group_size=group_size)
     metrics["filter/kept_groups_frac"] = len(keep_groups) / max(1, len(records))
@@ -449,7 +467,8 @@ def collect_batch(
                 }
                 for i, t in enumerate(trajs)
             ]
-        for g in filter_groups(scores, group_size, filters)[: need - len(kept_records)]:
+        kept_groups = complete_groups(filter_groups(scores, group_size, filters), trajs, group_size)
+        for g in kept_groups[: need - len(kept_records)]:
             kept.extend(trajs[g * group_size : (g + 1) * group_size])
             kept_scores.append(scores[g * group_size : (g + 1) * group_size])
             kept_records.append(records[g])

@@ -118,6 +118,7 @@ def test_recipes_carry_the_published_settings():
     zt = load_config(CONFIGS / "zerotir.yaml")
     f = zt.algorithm.filters
     assert not zt.sft.enabled and zt.model.path.endswith("Qwen2.5-7B")
+    assert zt.rollout.protocol == "zerotir"  # code runs at the block's closing fence
     assert (f.zerotir, f.zerotir_low, f.zerotir_high) == (True, 0.2, 0.8)
     assert zt.algorithm.adv_estimator == "reinforce_pp_baseline" and zt.rollout.group_size == 16
 

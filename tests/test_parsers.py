@@ -6,6 +6,7 @@ import pytest
 
 from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.prompts import chat_continuation
+from jaxrl_tools.rollout.stops import first_stop
 from jaxrl_tools.tools import (
     ParseResult,
     get_parser,
@@ -111,6 +112,22 @@ def test_torl_parse_and_format():
 def test_torl_errors(text, needle):
     r = get_parser("torl").parse(text)
     assert not r.ok and needle in r.error
+
+
+def test_zerotir_stops_at_the_closing_fence_of_an_open_python_block():
+    p = get_parser("zerotir")
+    (stop,) = p.stop_strings
+    assert first_stop("```python\nx = 1", p.stop_strings) is None  # the opening fence: no stop
+    text = "Compute.\n```python\nprint(2 ** 10)\n```\nmore"
+    end, which = first_stop(text, p.stop_strings)
+    assert text[:end].endswith("print(2 ** 10)\n```") and which is stop
+    assert first_stop("```bash\nls\n```", p.stop_strings) is None  # only python blocks run
+    r = p.parse(text[:end])
+    assert r.ok and r.calls[0].arguments == {"code": "print(2 ** 10)\n"}
+    assert p.format_observation(["1024"]) == "\n```output\n1024\n```\n"
+    assert p.parse("no code here, \\boxed{3}") == ParseResult()
+    assert "unterminated" in p.parse("```python\nprint(1)").error
+    assert "empty" in p.parse("```python\n```").error
 
 
 # --------------------------------------------------------------------------- retool

@@ -311,6 +311,36 @@ def test_a_call_past_the_budget_ignored_lets_the_model_write_on(tiny, tok):
         assert t.logprobs[i] == pytest.approx(float(logp[P - 1 + i, t.response_ids[i]]), abs=1e-4)
 
 
+def test_zerotir_runs_code_at_the_closing_fence_without_an_output_fence(tiny, tok):
+    """ZeroTIR's trigger: generation stops at the ``` closing an open ```python block (a stop
+    pattern, not a string: ```python opens with the same fence) and the host inserts the
+    ```output block; the model never writes ```output itself."""
+
+    @function_tool
+    def python(code: str) -> str:
+        """Runs code."""
+        return str(eval(code.strip().removeprefix("print(").removesuffix(")")))
+
+    first = "Let me compute.\n```python\nprint(2 ** 10)\n```"
+    script = _enc(tok, first + "\nThe answer is \\boxed{1024}.<|im_end|>")
+    eng, params = _engine_ids(tiny, tok, script)
+    (t,) = run_rollouts(
+        eng, params, [[1, 2, 3]], tokenizer=tok, protocol=get_parser("zerotir"),
+        executor=ToolExecutor([python]), sampling=GREEDY,
+        limits=RolloutLimits(max_tool_calls=2, chunk_size=16, max_response_tokens=300),
+    )  # fmt: skip
+    kinds = _spans_text(tok, t)
+    assert [k for k, _ in kinds] == ["model", "observation", "model"]
+    # cut at the fence (its token may hold the newline after it), later tokens rolled back
+    assert kinds[0][1] in (first, first + "\n")
+    assert kinds[1][1] == "\n```output\n1024\n```\n"
+    assert kinds[2][1].startswith("The answer is \\boxed{1024}.")
+    assert [(c.name, c.arguments, c.executed) for c in t.tool_calls] == [
+        ("python", {"code": "print(2 ** 10)\n"}, True)
+    ]
+    assert t.finish_reason == "eos"
+
+
 def test_other_slots_decode_while_a_slow_tool_runs(tiny, tok):
     """The first tool call sleeps 1 s; meanwhile the other slot gets its (instant) result, finishes
     its sample and starts the next ones: decode chunks run during the sleep."""

@@ -1,7 +1,8 @@
 """Tool-call parsers, one per rollout protocol (see docs/METHODS.md).
 
 Each parser has:
-  stop_strings: the strings that end a tool-call segment; the engine stops generation there and
+  stop_strings: the strings (or compiled regexes: where their first match ends) that end a
+    tool-call segment; the engine stops generation there and
     must keep the stop string in the segment text it passes to `parse` (vLLM's
     include_stop_str_in_output=True), so an unterminated tag is reported as such.
   parse(text) -> ParseResult: the calls of one model segment, or a precise error for the model.
@@ -11,6 +12,7 @@ Each parser has:
   qwen:      <tool_call>{"name": .., "arguments": {..}}</tool_call> (several) -> a user turn
              of <tool_response>..</tool_response> blocks
   torl:      ```python ... ``` then ```output -> result, then ```
+  zerotir:   ```python ... ``` (stops at the closing fence) -> ```output result ```
   retool:    <code>...</code> (a ```python fence inside is fine) -> <interpreter>...</interpreter>
   search_r1: <search>query</search> -> <information>top-k passages</information>
   artist:    <tool>code or {"name", "arguments"}</tool> -> <output>...</output>
@@ -303,6 +305,36 @@ class ToRLParser(Parser):
         return "\n" + "\n".join(obs_texts) + "\n```\n"
 
 
+class ZeroTIRParser(ToRLParser):
+    """ZeroTIR: generation stops at the closing fence of a ```python block (a stop pattern: in
+    a segment holding an open ```python block, its next ``` closes it), and the host inserts
+    the ```output block. The model need not write ```output itself, as ToRL's trigger asks."""
+
+    name = "zerotir"
+    stop_strings = (re.compile(r"```python.*?```", re.S),)
+
+    def parse(self, text: str) -> ParseResult:
+        opens = list(self._open.finditer(text))
+        if not opens:
+            return ParseResult()
+        body_start = opens[-1].end()
+        close = text.find("```", body_start)
+        if close < 0:
+            return ParseResult(error="Error: unterminated ```python block: close it with ```")
+        code = text[body_start:close]
+        if not code.strip():
+            return ParseResult(error="Error: empty ```python block")
+        err = json_value_error(code, "the ```python block")
+        if err:
+            return ParseResult(error=f"Error: {err}")
+        return ParseResult(
+            calls=[ToolCall(self.tool_name, {"code": code}, raw=text[opens[-1].start() :])]
+        )
+
+    def format_observation(self, obs_texts: list[str]) -> str:
+        return "\n```output\n" + "\n".join(obs_texts) + "\n```\n"
+
+
 class _TagParser(Parser):
     """One <tag>body</tag> per segment, ending at the closing tag."""
 
@@ -412,14 +444,15 @@ PARSERS = {
     "qwen": QwenParser,
     "hermes": QwenParser,
     "torl": ToRLParser,
+    "zerotir": ZeroTIRParser,
     "retool": ReToolParser,
     "search_r1": SearchR1Parser,
 }
 
 
 def get_parser(protocol: str, **kwargs) -> Parser:
-    """The parser of a protocol: "qwen" (alias "hermes"), "torl", "retool", "search_r1" or
-    "artist"."""
+    """The parser of a protocol: "qwen" (alias "hermes"), "torl", "zerotir", "retool",
+    "search_r1" or "artist"."""
     try:
         cls = PARSERS[protocol]
     except KeyError:

@@ -81,7 +81,7 @@ class RolloutSection:
             self.template == "chat" or not declares_tools(self.protocol),
             "rollout.template",
             f"'plain' has no tool turns, which protocol {self.protocol!r} answers in: use an "
-            "inline protocol (torl, retool, search_r1, artist) or none",
+            "inline protocol (torl, zerotir, retool, search_r1, artist) or none",
         )
         _check(
             isinstance(self.plain_format, str) and self.plain_format.count("{prompt}") == 1,

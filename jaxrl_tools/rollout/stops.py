@@ -10,8 +10,11 @@ context cuts the chunk there ("length" / "budget") unless a stop came first.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple
+
+Stop = str | re.Pattern
 
 
 class Cut(NamedTuple):
@@ -23,13 +26,19 @@ class Cut(NamedTuple):
     stop_end: int | None
 
 
-def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
-    """(end index, stop string) of the stop occurrence that ends first in `text`, or None."""
+def first_stop(text: str, stops: Sequence[Stop]) -> tuple[int, Stop] | None:
+    """(end index, stop) of the stop occurrence that ends first in `text`, or None. A stop is a
+    string or a compiled regex (its first match: ZeroTIR's closing fence of an open block)."""
     best = None
     for s in stops:
-        i = text.find(s)
-        if i >= 0 and (best is None or i + len(s) < best[0]):
-            best = (i + len(s), s)
+        if isinstance(s, str):
+            i = text.find(s)
+            end = i + len(s) if i >= 0 else None
+        else:
+            m = s.search(text)
+            end = m.end() if m else None
+        if end is not None and (best is None or end < best[0]):
+            best = (end, s)
     return best
 
 
@@ -39,8 +48,8 @@ def scan_chunk(
     segment: Sequence[int],
     decode: Callable[[Sequence[int]], str] | None,
     eos_ids: Collection[int],
-    tool_stops: Sequence[str] = (),
-    final_stops: Sequence[str] = (),
+    tool_stops: Sequence[Stop] = (),
+    final_stops: Sequence[Stop] = (),
     room: int,
     context: int,
 ) -> Cut:

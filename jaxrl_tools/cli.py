@@ -158,7 +158,12 @@ def _dispatch(args, cfg) -> int | None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             server.serve_openai(
-                cfg, from_checkpoint=args.checkpoint, step=args.step, host=args.host, port=args.port
+                cfg,
+                from_checkpoint=args.checkpoint,
+                step=args.step,
+                host=args.host,
+                port=args.port,
+                api_key=args.api_key,
             )
         except KeyboardInterrupt:
             print("jaxrl-tools: serve stopped (Ctrl-C)", file=sys.stderr, flush=True)
@@ -347,6 +352,11 @@ def main(argv=None) -> int:
         "--tools",
         action="store_true",
         help="run the recipe's tools server-side, in the sandbox (the agent loop per request)",
+    )
+    p.add_argument(
+        "--api-key",
+        help="with --openai: the key clients must send (Authorization: Bearer KEY); default "
+        "$JAXRL_TOOLS_API_KEY, else none",
     )
     p.add_argument(
         "--openai",

@@ -225,8 +225,11 @@ def test_an_agent_that_raises_stops_the_rollout_naming_the_record(tiny, tok):
 
 def test_an_agent_that_never_returns_is_cut_at_its_timeout_and_its_group_left_out(tiny, tok):
     eng, params = _engine(tiny, tok, [-1] * 4 + _enc(tok, "<|im_end|>"))
-    sampler = _sampler(eng, tok, "test_agents:hung_agent", protocol="none", timeout_s=1.0)
     records = [*RECORDS, {"id": "c", "prompt": "Say 5.", "ground_truth": "5"}]
+    _sampler(eng, tok, "test_agents:hung_agent", protocol="none")(
+        records[2:], 2, params
+    )  # compiles
+    sampler = _sampler(eng, tok, "test_agents:hung_agent", protocol="none", timeout_s=8.0)
     t0 = time.monotonic()
     trajs = sampler(records, 2, params)  # hung for ever before the timeout
     assert time.monotonic() - t0 < 60
@@ -238,6 +241,25 @@ def test_an_agent_that_never_returns_is_cut_at_its_timeout_and_its_group_left_ou
     assert batch.num_rows == 2  # c's group only
     assert batch.tokens_RT[0, : len(trajs[4].token_ids)].tolist() == trajs[4].token_ids
     assert batch.scores_R.tolist()[:2] == [1.0, 1.0]
+
+
+def test_a_requests_own_seed_alone_picks_its_key(tiny, tok):
+    """An explicit seed k is not the key of the k-th unseeded request (both once folded k into
+    one base key), and it is the same whatever came before it."""
+    eng, params = _engine(tiny, tok, [-1] * 4 + _enc(tok, "<|im_end|>"))
+
+    async def keys():
+        backend = EngineBackend(eng, params, tok)
+        gens = [Generation(prompt_ids=(1, 2, 3), seed=seed) for seed in (None, 0, 1)]
+        out = [np.asarray(backend.sample(g).key).tolist() for g in gens]
+        backend.running().samples.append(None)  # one request later
+        out.append(np.asarray(backend.sample(gens[1]).key).tolist())
+        out.append(np.asarray(backend.sample(gens[0]).key).tolist())
+        return out
+
+    unseeded_0, seed_0, seed_1, seed_0_later, unseeded_1 = asyncio.run(keys())
+    assert seed_0 != unseeded_0 and seed_1 != unseeded_1
+    assert seed_0 == seed_0_later and unseeded_0 != unseeded_1
 
 
 def test_the_chat_continues_the_sampled_tokens_and_renders_anything_else(tok):

@@ -18,9 +18,12 @@ from fakes import wait_until
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from jaxrl_tools.gateway import server
 from jaxrl_tools.gateway.app import make_app
 from jaxrl_tools.gateway.backend import BadRequest, Completion
+from jaxrl_tools.gateway.requests import read_tools
 from jaxrl_tools.gateway.streaming import TextStream, Tokens
+from jaxrl_tools.tools import ToolExecutor, function_tool
 
 EOS = "<|im_end|>"
 WEATHER = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
@@ -633,3 +636,42 @@ def test_a_client_that_hangs_up_cancels_its_generations():
             assert all(next(lines) is not None for _ in range(6))  # the stream is under way
         assert wait_until(lambda: Slow.cancelled == 2)
         assert http.get("/v1/models").status_code == 200
+
+
+def test_an_api_key_is_asked_for_when_set_and_an_open_bind_without_one_is_flagged():
+    app, _, _ = make(api_key="sesame")
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                r = await http.get("/v1/models", headers=headers)
+                assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+            ok = await http.get("/v1/models", headers={"Authorization": "Bearer sesame"})
+            assert ok.status_code == 200
+            assert (await http.get("/health")).status_code == 200  # probes need no key
+        http = httpx.AsyncClient(transport=transport, base_url="http://gw")
+        client = openai.AsyncOpenAI(base_url="http://gw/v1", api_key="sesame", http_client=http)
+        r = await client.chat.completions.create(model="m", messages=user("hi"))
+        assert r.choices[0].message.content
+
+    asyncio.run(main())
+    for host, key, flagged in [("127.0.0.1", None, False), ("0.0.0.0", None, True)] + [
+        ("0.0.0.0", "sesame", False)
+    ]:
+        with socket.create_server((host, 0)) as sock:
+            assert server.unguarded(sock, key) == flagged, (host, key)
+
+
+def test_sdk_tool_declarations_are_rendered_as_the_built_in_loops():
+    """SDK-only keys (the OpenAI Agents SDK's `strict`) are dropped: an agent's prompt is the
+    built-in loop's for the same tools."""
+
+    @function_tool
+    def add(a: int, b: int) -> str:
+        """Adds two integers."""
+        return str(a + b)
+
+    built_in = ToolExecutor([add]).schemas()
+    sdk = [{"type": "function", "function": {**built_in[0]["function"], "strict": False}}]
+    assert read_tools(sdk) == built_in

@@ -47,12 +47,14 @@ Not supported (a 400 saying so, rather than silently answering something else):
 
 An unknown route is a 404 in the same error shape. An exception inside the backend or the chat
 is logged and answered with a 500 (`server_error`; streamed: an error event, then [DONE]); a
-`BadRequest` they raise is a 400. Nothing a client sends stops the server. There is no
-authentication: any API key is accepted.
+`BadRequest` they raise is a 400. Nothing a client sends stops the server. With `api_key` the
+/v1 routes ask for it (`Authorization: Bearer <key>`, else a 401); without, any key is
+accepted.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
@@ -445,11 +447,16 @@ class _Gateway:
         return JSONResponse({})
 
 
-def _guarded(handler):
-    """Every failure of a route as an OpenAI error response: nothing reaches the server."""
+def _guarded(handler, api_key: str | None = None):
+    """Every failure of a route as an OpenAI error response: nothing reaches the server. With
+    `api_key`, a request without `Authorization: Bearer <api_key>` is a 401."""
 
     async def endpoint(request: Request) -> Response:
         try:
+            if api_key is not None and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), f"Bearer {api_key}".encode()
+            ):
+                raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)")
             return await handler(request)
         except APIError as e:
             return e.response()
@@ -480,6 +487,7 @@ def make_app(
     *,
     served_name: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    api_key: str | None = None,
 ) -> Starlette:
     """The OpenAI-compatible ASGI app over `backend` and `chat` (see the module docstring).
 
@@ -489,12 +497,13 @@ def make_app(
       served_name: the model name the responses and `GET /v1/models` carry (default
         `backend.model`); requests may name any model.
       max_body_bytes: the largest request body (larger: HTTP 413).
+      api_key: the key the /v1 routes ask for (`Authorization: Bearer <key>`); None: any.
     """
     gw = _Gateway(backend, chat, served_name or str(backend.model), max_body_bytes)
     routes = [
-        Route("/v1/chat/completions", _guarded(gw.chat_completions), methods=["POST"]),
-        Route("/v1/completions", _guarded(gw.completions), methods=["POST"]),
-        Route("/v1/models", _guarded(gw.models), methods=["GET"]),
+        Route("/v1/chat/completions", _guarded(gw.chat_completions, api_key), methods=["POST"]),
+        Route("/v1/completions", _guarded(gw.completions, api_key), methods=["POST"]),
+        Route("/v1/models", _guarded(gw.models, api_key), methods=["GET"]),
         Route("/health", _guarded(gw.health), methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})

@@ -90,7 +90,8 @@ class EngineBackend:
       model: the name `GET /v1/models` lists.
       limits: `chunk_size` (decode steps per engine call), `max_response_tokens` (sampled and
         inserted tokens of one sample; default: the engine's context), `max_parked`.
-      seed: requests without a seed get keys fold_in(seed, request number).
+      seed: the base key's seed. A request with a `seed` samples with a key of that seed alone
+        (the same reply whenever it comes); one without, with a key of its arrival number.
       resolver: what ended segments become (default `RequestResolver`).
     """
 
@@ -147,9 +148,9 @@ class EngineBackend:
         sampled as `gen` says or with `sampling`."""
         d = self.running()
         index = len(d.samples)
-        if key is None:
-            seed = index if gen.seed is None else gen.seed
-            key = jax.random.fold_in(self.base_key, seed)
+        if key is None:  # a request's own seed, else its number: two streams that never meet
+            stream, n = (0, index) if gen.seed is None else (1, gen.seed)
+            key = jax.random.fold_in(jax.random.fold_in(self.base_key, stream), n)
         traj = traj or Trajectory(-1, index, list(gen.prompt_ids))
         s = Sample(traj, np.asarray(key), index)
         self.configure(s, gen, sampling=sampling)

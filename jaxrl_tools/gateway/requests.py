@@ -260,7 +260,21 @@ def read_tools(value: Any) -> list[dict] | None:
             raise bad(f"tools[{j}].function.description must be a string", "tools")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise bad(f"tools[{j}].function.parameters must be a JSON Schema object", "tools")
-    return value or None
+    return [_declaration(t["function"]) for t in value] or None
+
+
+def _declaration(fn: dict) -> dict:
+    """A function declaration as the built-in loop renders one (`tools.Tool.schema`): SDK-only
+    keys (`strict`, ...) dropped, so that an agent's prompts are the built-in loop's."""
+    return {
+        "type": "function",
+        "function": {
+            "name": fn["name"],
+            "description": fn.get("description") or "",
+            "parameters": fn.get("parameters")
+            or {"type": "object", "properties": {}, "required": []},
+        },
+    }
 
 
 def read_tool_choice(value: Any) -> str:

@@ -5,13 +5,16 @@ The recipe's policy (`model.path`, or the run's checkpoint) decodes on the rollo
 a sample of one continuously batched driver (`EngineBackend`); chat requests go through the
 tokenizer's chat template with the request's tools, and tool calls come back as OpenAI
 `tool_calls` read by the recipe's parser (`TemplateChat`). Listens on 127.0.0.1 unless told
-otherwise: there is no authentication.
+otherwise; `--api-key` (or $JAXRL_TOOLS_API_KEY) makes the API ask for a key, and a bind
+beyond the loopback without one is warned about.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import os
 import socket
 
 from jaxrl_tools import run
@@ -23,6 +26,9 @@ from jaxrl_tools.rollout.sampler import declares_tools, make_engine
 from jaxrl_tools.tools import get_parser
 
 log = logging.getLogger(__name__)
+
+
+API_KEY_ENV = "JAXRL_TOOLS_API_KEY"
 
 
 def _bound_socket(host: str, port: int) -> socket.socket:
@@ -42,7 +48,14 @@ def _bound_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_app(cfg: RunConfig, *, from_checkpoint: bool, step: int | None):
+def unguarded(sock: socket.socket, api_key: str | None) -> bool:
+    """Whether `sock` listens beyond this machine with no API key asked for."""
+    return api_key is None and not ipaddress.ip_address(sock.getsockname()[0]).is_loopback
+
+
+def build_app(
+    cfg: RunConfig, *, from_checkpoint: bool, step: int | None, api_key: str | None = None
+):
     """The policy's ASGI app and its backend (`aclose` it when done)."""
     from jaxrl_tools.gateway.app import make_app  # noqa: PLC0415 -- starlette: [agents]
     from jaxrl_tools.serve import load_policy  # noqa: PLC0415 -- (serve's gRPC imports are lazy)
@@ -66,17 +79,32 @@ def build_app(cfg: RunConfig, *, from_checkpoint: bool, step: int | None):
     )
     chat = TemplateChat(tokenizer, parser, eos_ids=engine.eos_token_ids)
     log.info("serving %s (%d slots, %d tokens of context)", what, engine.slots, engine.max_len)
-    return make_app(backend, chat), backend
+    return make_app(backend, chat, api_key=api_key), backend
 
 
 def serve_openai(
-    cfg: RunConfig, *, from_checkpoint: bool, step: int | None, host: str, port: int
+    cfg: RunConfig,
+    *,
+    from_checkpoint: bool,
+    step: int | None,
+    host: str,
+    port: int,
+    api_key: str | None = None,
 ) -> None:
-    """Serves until interrupted (Ctrl-C)."""
+    """Serves until interrupted (Ctrl-C); with `api_key` (else $JAXRL_TOOLS_API_KEY) the API
+    asks for it."""
     import uvicorn  # noqa: PLC0415 -- the [agents] extra
 
+    api_key = api_key or os.environ.get(API_KEY_ENV) or None
     sock = _bound_socket(host, port)
-    app, backend = build_app(cfg, from_checkpoint=from_checkpoint, step=step)
+    if unguarded(sock, api_key):
+        log.warning(
+            "serve --openai on %s without an API key: anyone who reaches this address can use "
+            "the model; set --api-key or $%s",
+            host,
+            API_KEY_ENV,
+        )
+    app, backend = build_app(cfg, from_checkpoint=from_checkpoint, step=step, api_key=api_key)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     print(f"jaxrl-tools serve: OpenAI API on http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
 

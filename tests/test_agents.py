@@ -252,7 +252,7 @@ def test_a_requests_own_seed_alone_picks_its_key(tiny, tok):
         backend = EngineBackend(eng, params, tok)
         gens = [Generation(prompt_ids=(1, 2, 3), seed=seed) for seed in (None, 0, 1)]
         out = [np.asarray(backend.sample(g).key).tolist() for g in gens]
-        backend.running().samples.append(None)  # one request later
+        backend.running().next_index += 1  # one request later
         out.append(np.asarray(backend.sample(gens[1]).key).tolist())
         out.append(np.asarray(backend.sample(gens[0]).key).tolist())
         return out
@@ -335,6 +335,45 @@ def test_concurrent_requests_decode_as_if_alone(tiny, tok):
     assert all(c.finish_reason == "length" for c in together[:3])
     if together[3].finish_reason == "stop":  # sampled a space: the text ends before it
         assert " " not in together[3].text
+
+
+def test_a_request_whose_caller_is_gone_frees_its_slot_and_nothing_of_it_stays(tiny, tok):
+    """A cancelled request (its HTTP client hung up: the app cancels its `generate`) stops at
+    its next chunk, not at max_tokens; a finished request leaves nothing in the driver."""
+    eng, params = _engine(tiny, tok, [-1] * SCRIPT_LEN, slots=2)
+    prompt = tuple(_enc(tok, "Hello there"))
+
+    async def main():
+        backend = EngineBackend(
+            eng, params, tok, limits=RolloutLimits(max_response_tokens=700, chunk_size=4)
+        )
+        got = []
+
+        def on_tokens(ids, lps):  # the client hangs up once it has 8 tokens
+            got.extend(ids)
+            if len(got) >= 8:
+                hung_up.cancel()
+
+        hung_up = asyncio.ensure_future(
+            backend.generate(Generation(prompt, max_tokens=600), on_tokens)
+        )
+        while not hung_up.done():
+            await asyncio.sleep(0.01)
+        driver = backend.driver
+        while driver.samples:  # its slot is freed at the next chunk
+            await asyncio.sleep(0.01)
+        decoded = len(got)
+        others = await asyncio.gather(
+            *(backend.generate(Generation(prompt, max_tokens=5, seed=k)) for k in range(20))
+        )
+        left = (dict(driver.samples), list(driver.done), dict(driver.group), dict(driver.tasks))
+        await backend.aclose()
+        return decoded, others, left
+
+    decoded, others, left = asyncio.run(main())
+    assert decoded <= 8 + 2 * 4  # the next chunk after the hang-up, not 600 tokens
+    assert all(len(c.token_ids) == 5 for c in others)
+    assert left == ({}, [], {}, {})  # nothing per request outlives it
 
 
 def test_the_demo_agent_trains_beside_the_built_in_loop_in_a_smoke_run(tmp_path, monkeypatch):

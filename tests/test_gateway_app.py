@@ -675,3 +675,41 @@ def test_sdk_tool_declarations_are_rendered_as_the_built_in_loops():
     built_in = ToolExecutor([add]).schemas()
     sdk = [{"type": "function", "function": {**built_in[0]["function"], "strict": False}}]
     assert read_tools(sdk) == built_in
+
+
+def test_prompts_tokenize_off_the_event_loop_and_one_past_the_context_is_refused_unread():
+    """A slow prompt (a long message's tokenizing) does not hold up /health; a message longer
+    than the context could hold at the vocabulary's longest token is a 400 before tokenizing."""
+    app, backend, chat = make(max_context=400)
+    rendered = []
+
+    def slow_prompt_ids(messages, tools):
+        rendered.append(messages)
+        time.sleep(1.5)  # a tokenizer at work, holding the GIL or not
+        return FakeChat.prompt_ids(chat, messages, tools)
+
+    chat.prompt_ids = slow_prompt_ids
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            slow = asyncio.ensure_future(
+                http.post("/v1/chat/completions", json={"model": "m", "messages": user("hi")})
+            )
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            assert (await http.get("/health")).status_code == 200
+            health_s = time.monotonic() - t0
+            assert (await slow).status_code == 200
+            huge = user("x" * (400 * max(map(len, TOK.get_vocab())) + 1))
+            r = await http.post("/v1/chat/completions", json={"model": "m", "messages": huge})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+            assert "characters" in r.json()["error"]["message"]
+            r = await http.post(
+                "/v1/completions", json={"model": "m", "prompt": huge[0]["content"]}
+            )
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        return health_s
+
+    assert asyncio.run(main()) < 1.0  # answered while the prompt was still tokenizing
+    assert len(rendered) == 1  # the huge message was never rendered

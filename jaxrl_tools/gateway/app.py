@@ -54,6 +54,8 @@ accepted.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
@@ -112,6 +114,15 @@ def _assistant(message: dict) -> dict:
     return out
 
 
+def _max_prompt_chars(tokenizer, max_context: int) -> int | None:
+    """The most characters a prompt of `max_context` tokens can have (None: unknown)."""
+    try:
+        longest = max(map(len, tokenizer.get_vocab()))
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return max_context * max(1, longest)
+
+
 # ---------------------------------------------------------------------------- the app
 class _Gateway:
     def __init__(self, backend: Backend, chat: Chat, name: str, max_body_bytes: int):
@@ -119,6 +130,23 @@ class _Gateway:
         self.max_body_bytes = max_body_bytes
         self.tokens = Tokens(backend.tokenizer)
         self.created = int(time.time())
+        # The chat (its caches) and the tokenizer run on a thread of their own: a long prompt
+        # tokenizes without holding up the event loop (/health, other requests' streams).
+        self._chat_thread = concurrent.futures.ThreadPoolExecutor(1, "gateway-chat")
+        self.max_chars = _max_prompt_chars(backend.tokenizer, int(backend.max_context))
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._chat_thread, fn, *args)
+
+    def _fits(self, chars: int, param: str) -> None:
+        """A prompt of `chars` characters cannot fit the context (checked before tokenizing:
+        no token covers more than the vocabulary's longest)."""
+        if self.max_chars is not None and chars > self.max_chars:
+            raise bad(
+                f"the prompt is {chars} characters, more than this model's context of "
+                f"{self.backend.max_context} tokens can hold: shorten it",
+                param,
+            )
 
     async def _body(self, request: Request) -> Fields:
         too_big = APIError(
@@ -171,7 +199,8 @@ class _Gateway:
             )
         stream = f.boolean("stream")
         include_usage = f.include_usage()
-        prompt = [int(t) for t in self.chat.prompt_ids(messages, tools)]
+        self._fits(sum(len(m.get("content") or "") for m in messages), "messages")
+        prompt = [int(t) for t in await self._off_loop(self.chat.prompt_ids, messages, tools)]
         stop = s["stop"]
         if tools and choice == "none" and TOOL_CALL_TAG not in stop:
             stop = (*stop, TOOL_CALL_TAG)
@@ -186,7 +215,7 @@ class _Gateway:
         completions = await generate_all(self.backend, gens)
         choices = []
         for i, c in enumerate(completions):
-            message, finish = self.chat.reply(messages, tools, c)
+            message, finish = await self._off_loop(self.chat.reply, messages, tools, c)
             choices.append(
                 {
                     "index": i,
@@ -255,7 +284,7 @@ class _Gateway:
                     continue
                 _, i, task = event
                 c: Completion = task.result()
-                message, finish = self.chat.reply(messages, tools, c)
+                message, finish = await self._off_loop(self.chat.reply, messages, tools, c)
                 delta = {}
                 rest = streams[i].finish(message.get("content") or "")
                 if rest:
@@ -279,6 +308,7 @@ class _Gateway:
     def _prompts(self, value: Any) -> list[list[int]]:
         def ids_of(p: Any, where: str) -> list[int] | None:
             if isinstance(p, str):
+                self._fits(len(p), "prompt")
                 ids = self.tokens.encode(p)
             elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
                 ids = p
@@ -310,7 +340,7 @@ class _Gateway:
 
     async def completions(self, request: Request) -> Response:
         f = await self._body(request)
-        prompts = self._prompts(f.get("prompt"))
+        prompts = await self._off_loop(self._prompts, f.get("prompt"))
         s = sampling(f, ("max_tokens",), 16)
         lp = f.integer("logprobs", None, 0, 5)
         if lp is not None and lp > 1:

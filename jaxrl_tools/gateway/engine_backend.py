@@ -136,7 +136,7 @@ class EngineBackend:
     def _stopped(self, task: asyncio.Task) -> None:
         """The driver ended: fail whatever still waits (an engine error reaches every caller)."""
         error = None if task.cancelled() else task.exception()
-        for s in self.driver.samples if self.driver is not None else ():
+        for s in self.driver.samples.values() if self.driver is not None else ():
             if s.reply is not None and not s.reply.done():
                 s.reply.set_exception(error or RuntimeError("the gateway's engine stopped"))
         self.driver, self._task = None, None
@@ -147,7 +147,7 @@ class EngineBackend:
         """A new sample of the running driver for `gen` (queued by the caller: `driver.add`),
         sampled as `gen` says or with `sampling`."""
         d = self.running()
-        index = len(d.samples)
+        index = d.next_index
         if key is None:  # a request's own seed, else its number: two streams that never meet
             stream, n = (0, index) if gen.seed is None else (1, gen.seed)
             key = jax.random.fold_in(jax.random.fold_in(self.base_key, stream), n)

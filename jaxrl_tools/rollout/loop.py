@@ -248,7 +248,11 @@ class Driver:
         tool_stops: tuple[str, ...],
         final_stops: tuple[str, ...],
     ):
-        self.engine, self.params, self.samples = engine, params, samples
+        self.engine, self.params = engine, params
+        # the samples not finished yet, by index (a finished one is released: an open driver
+        # serves requests for as long as it runs)
+        self.samples: dict[int, Sample] = {s.index: s for s in samples}
+        self.next_index = len(samples)
         self.resolver, self.limits, self.sampling = resolver, limits, sampling
         self.eos, self.tool_stops, self.final_stops = eos, tool_stops, final_stops
         self.sched = SlotScheduler(len(samples), engine.slots, limits.max_parked)
@@ -271,9 +275,10 @@ class Driver:
         self.version = None if self.ahead is None else self.ahead.version
 
     def add(self, sample: Sample) -> None:
-        """Queues a sample while the driver runs; its `index` must be `len(samples)`."""
-        assert sample.index == len(self.samples), (sample.index, len(self.samples))
-        self.samples.append(sample)
+        """Queues a sample while the driver runs; its `index` must be `next_index`."""
+        assert sample.index == self.next_index, (sample.index, self.next_index)
+        self.next_index += 1
+        self.samples[sample.index] = sample
         self.group[sample.prefix_key] += 1
         self.sched.queue.append(sample.index)
         self._wake.set()
@@ -442,6 +447,8 @@ class Driver:
         )
         if reason == "length" and turn_room < room and s.max_new is None:
             reason = "turn_length"  # the turn's cap, not the response's
+        if reason is None and s.reply is not None and s.reply.cancelled():
+            reason = "cancelled"  # its caller is gone (a client hung up): free the slot
         s.add_model(toks[:keep], lps[:keep], self.version)
         if s.on_tokens is not None and keep:
             s.on_tokens(toks[:keep], [float(x) for x in lps[:keep]])
@@ -459,10 +466,11 @@ class Driver:
             self.tasks[i] = None
 
     async def _finish(self, i: int, reason: str) -> None:
-        s = self.samples[i]
+        s = self.samples.pop(i)
         await self.resolver.finish(s, reason)
         self.sched.finish(i)
-        self.done.append(s.traj)
+        if not self.open:  # an open driver's callers have their samples' results
+            self.done.append(s.traj)
 
 
 def _prompt_ids(prompt, tokenizer, tools_schema) -> list[int]:
@@ -479,7 +487,7 @@ def _prompt_ids(prompt, tokenizer, tools_schema) -> list[int]:
     return [int(x) for x in prompt]
 
 
-def _share_results(ready: list, samples: list[Sample]) -> list:
+def _share_results(ready: list, samples: dict[int, Sample]) -> list:
     """Every process's finished tool / environment results, in sample order, on every process.
 
     Each entry carries what the task recorded in its trajectory (`_TASK_FIELDS`), copied into

@@ -7,6 +7,7 @@ deadlocks: `agree` and `to_host` are the two collectives the rollout loop uses f
 """
 
 import atexit
+import faulthandler
 import logging
 import os
 import pickle
@@ -114,6 +115,9 @@ def initialize_distributed() -> bool:
     jax.extend.backend.clear_backends()
     jax.distributed.initialize(**kwargs)
     log.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+    # A process that XLA or gloo aborts (SIGABRT: a collective mismatch) prints where each of
+    # its threads was, not only the C++ message its peers' errors drown.
+    faulthandler.enable()
     _Watchdog(heartbeat).start()
     return True
 
@@ -212,6 +216,19 @@ def to_host(x: jax.Array) -> np.ndarray:
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def finish_device_work() -> None:
+    """Waits until the computations behind this process's live arrays are done: the fence
+    between two threads that take turns issuing a multi-process run's device calls.
+
+    The turns order the calls, but not always their runs: with one device in a process, XLA:CPU
+    starts a computation called from one thread as soon as its inputs are ready, while one
+    called earlier from another thread may still run (with several devices it launches them one
+    at a time, in call order). Two computations running at once interleave their cross-process
+    collectives (gloo pairs messages by order), and the processes abort on a size mismatch.
+    """
+    jax.block_until_ready(jax.live_arrays())
 
 
 def exit_job(error: BaseException) -> None:

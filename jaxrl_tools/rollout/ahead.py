@@ -18,18 +18,30 @@ weights need that update, or after the worker's last rollout. The dispatch is as
 the update runs on the devices while the worker goes on with its host work (tool calls, stop
 scans, rewards) and queues its next decode chunks behind it. With one process the agreement is
 the process's own flag and nothing else changes.
+
+With several processes the hand-overs are also fences (`finish_device_work`): the device work
+one thread called is done before the other thread calls its own. Calling in turn orders the
+calls, not their runs: XLA:CPU runs a process's one-device computations as soon as their inputs
+are ready, whichever thread called them, and two of them running at once interleave their
+cross-process collectives (a collective mismatch). Only the worker's host work between the
+hand-over and its next device read loses its overlap with the update. A worker that fails logs
+its error at once: the main thread, which raises it, may be waiting on a device call its peers
+will not make.
 """
 
 from __future__ import annotations
 
 import contextvars
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from jaxrl_tools.sharding.distributed import agree
+from jaxrl_tools.sharding.distributed import agree, finish_device_work, is_multiprocess
+
+log = logging.getLogger(__name__)
 
 # The pipeline whose worker is running this rollout (the decode loop asks it for turns and
 # newer weights between passes); None outside one.
@@ -74,6 +86,8 @@ class RolloutsAhead:
         self._request: Callable | None = None  # the main thread's device work, waiting
         self._granted: Callable | None = None  # the request the worker let run
         self._alive, self._stop = True, False
+        self._error: BaseException | None = None  # what ended the worker, if it failed
+        self._fence = is_multiprocess()  # hand-overs wait for the device work (module doc)
         self._before: dict[int, dict] = {}  # batch -> streams before it
         # The schedule samples at most k + 1 batches ahead of their update; one more place for
         # the worker's error.
@@ -82,6 +96,8 @@ class RolloutsAhead:
         self.swaps = 0  # rollouts switched to newer weights since `take`
         # The decode loop's weights and their version (read between passes).
         self.params, self.version = params, start
+        if self._fence:  # the caller's device work (e.g. the weights' copy) before the worker's
+            finish_device_work()
         self._thread = threading.Thread(target=self._work, name="rollouts-ahead", daemon=True)
         self._thread.start()
 
@@ -108,13 +124,18 @@ class RolloutsAhead:
 
     def turn(self, work: Callable[[], Any]) -> Any:
         """Runs `work` (device calls of the main thread) in this thread at the next agreed
-        point of the worker's sequence; returns its value."""
+        point of the worker's sequence; returns its value. Raises the worker's error if it
+        failed (the other processes' device calls would not match this thread's alone)."""
         with self._cv:
+            if self._error is not None:
+                raise self._error
             if self._alive:
                 self._request = work
                 self._cv.notify_all()
                 while self._granted is not work and self._alive:
                     self._cv.wait()
+                if self._error is not None:
+                    raise self._error
         try:
             return work()
         finally:
@@ -170,13 +191,22 @@ class RolloutsAhead:
                         self.swaps += 1
 
     def _grant(self) -> None:
-        """Lets the main thread's waiting work run, and waits until it has."""
+        """Lets the main thread's waiting work run, and waits until it has (with several
+        processes: until the device work of each side is done before the other's starts)."""
         with self._cv:
-            work = self._granted = self._request
+            work = self._request
+        if work is None:
+            return
+        if self._fence:
+            finish_device_work()
+        with self._cv:
+            self._granted = work
             self._cv.notify_all()
-            while self._request is work and work is not None:
+            while self._request is work:
                 self._cv.wait()
             self._granted = None
+        if self._fence:
+            finish_device_work()
 
     def _wait_for_version(self, version: int) -> None:
         """Grants the main thread's turns until `version` is published (or the run stops)."""
@@ -210,7 +240,13 @@ class RolloutsAhead:
                     self._before[b] = self._streams() if self._streams else {}
                     self._cv.notify_all()
                 self._ready.put((b, self._rollout(b, self.params)))
+            if self._fence:  # the main thread's turns now run alone, after the worker's calls
+                finish_device_work()
         except BaseException as e:  # noqa: BLE001 -- raised in the main thread by `take`
+            if self._fence:
+                log.error("the rollouts ahead of the update failed", exc_info=e)
+            with self._cv:
+                self._error = e
             self._ready.put((None, e))
         finally:
             with self._cv:

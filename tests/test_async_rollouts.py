@@ -148,6 +148,30 @@ def test_the_schedule_bounds_versions_and_orders_device_work():
     assert any(len(set(v)) > 1 for v in log)  # some rollout switched weights midway
 
 
+def test_a_failed_worker_is_logged_and_stops_the_main_threads_turns(monkeypatch, caplog):
+    """As in a multi-process run (the hand-overs fence; nothing else of it is needed here): the
+    worker's error is logged when it happens (the main thread, which raises it, may be waiting
+    on its peers), and the main thread's next turn raises it instead of running alone (its
+    device calls would match no other process's)."""
+    monkeypatch.setattr(ahead, "is_multiprocess", lambda: True)
+
+    def rollout(b, params):
+        raise ValueError("reward server gone")
+
+    ran = []
+    pipe = ahead.RolloutsAhead(rollout, 0, start=0, last=2, max_staleness=1)
+    try:
+        with pytest.raises(ValueError, match="reward server gone"):
+            pipe.take(1)
+        with pytest.raises(ValueError, match="reward server gone"):
+            pipe.turn(lambda: ran.append(1))
+    finally:
+        pipe.close()
+    assert not ran
+    [record] = [r for r in caplog.records if r.name == ahead.__name__]
+    assert record.levelname == "ERROR" and "reward server gone" in str(record.exc_info[1])
+
+
 def test_stale_rollouts_need_a_correction(tmp_path):
     with pytest.raises(ConfigError, match="algorithm.off_policy"):
         run.train(_config(tmp_path, "nocap", tis_cap=None, max_staleness=1))

@@ -20,7 +20,8 @@ and the single-process run's params: the processes agreed on every host-side dec
 ran the tool calls of its own slots and shared the results), so they issued the same device
 calls. With rollouts ahead of the update (`trainer.max_staleness` 1 and 2) the update, an
 evaluation and the checkpoints run in turns agreed between the processes' decode passes: the
-two-process run again equals the single-process one.
+two-process run again equals the single-process one; also with one device per process, where
+only the hand-overs' fences keep the two threads' device work from running at once.
 """
 
 import json
@@ -93,7 +94,11 @@ def _env(devices: int) -> dict:
     return env
 
 
-def _launch(tmp: Path, name: str, processes: int, **sections) -> list[subprocess.Popen]:
+def _launch(
+    tmp: Path, name: str, processes: int, devices: int = 8, **sections
+) -> list[subprocess.Popen]:
+    """The run `name` on `devices` devices, split over `processes` processes (its config from
+    `_config` unless tmp/name.json exists)."""
     cfg = tmp / f"{name}.json"
     if not cfg.exists():
         # Two processes: the engine on a mesh of its own (data-parallel decode over both).
@@ -101,13 +106,15 @@ def _launch(tmp: Path, name: str, processes: int, **sections) -> list[subprocess
         cfg.write_text(json.dumps(_config(tmp, name, rollout_mesh, **sections)))
     cmd = [sys.executable, __file__, str(cfg), str(tmp / name)]
     if processes == 1:
-        return [subprocess.Popen(cmd, env=_env(8), stdout=subprocess.PIPE, stderr=subprocess.PIPE)]
+        return [
+            subprocess.Popen(cmd, env=_env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        ]
     port = _free_port()
     flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes)]
     return [
         subprocess.Popen(
             [*cmd, *flags, "--process-id", str(i)],
-            env=_env(8 // processes),
+            env=_env(devices // processes),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
@@ -271,6 +278,39 @@ def test_two_processes_with_rollouts_ahead_equal_one(async_runs):
                                    "async/rollout_gate_s")):  # fmt: skip
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     assert sorted(single) == sorted(two)
+    for key in single:
+        np.testing.assert_allclose(two[key], single[key], rtol=0, atol=2e-5, err_msg=key)
+
+
+def test_one_device_per_process_with_rollouts_ahead_equals_one_process(tmp_path):
+    """2 processes x 1 device with `trainer.max_staleness: 1` == 1 process x 2 devices, on the
+    same meshes (update 1x2x1, decode 2x1x1). The update (main thread) and the decode passes'
+    agreements (worker thread) are called in turns, but with one device per process XLA:CPU ran
+    them at once, and their collectives interleaved (a gloo size mismatch before step 1). No
+    tool and short responses: the cheapest run that has both threads' device calls."""
+    ends = {}
+    for name, processes in (("single", 1), ("two", 2)):
+        cfg = tiny_run_config(
+            tmp_path,
+            name,
+            "test_multihost:text_reward",
+            rollout={"protocol": "none", "max_response_len": 16, "mesh": "2x1x1"},
+            trainer={"steps": 2, "mesh": "1x2x1", "max_staleness": 1},
+            algorithm={"tis_cap": 2.0},
+        )
+        (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
+        for i, (rc, err) in enumerate(_wait(_launch(tmp_path, name, processes, devices=2))):
+            assert rc == 0, f"{name}, process {i}: {_notable(err)}"
+        ends[name] = (_params(tmp_path / name / "params.npz"), _records(tmp_path / name / "logs"))
+    (single, single_log), (two, two_log) = ends["single"], ends["two"]
+    init = _params(tmp_path / "single" / "init.npz")
+    assert max(float(np.abs(single[k] - init[k]).max()) for k in single) > 1e-4  # it trained
+    assert [r["async/staleness_max"] for r in two_log] == [0, 1]
+    for a, b in zip(single_log, two_log, strict=True):
+        for key in a:
+            if not key.startswith(("time", "throughput/", "schedule/", "async/trainer_wait_s",
+                                   "async/rollout_gate_s")):  # fmt: skip
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     for key in single:
         np.testing.assert_allclose(two[key], single[key], rtol=0, atol=2e-5, err_msg=key)
 

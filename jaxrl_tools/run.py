@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_tools import check, models, plan, records, sharding
-from jaxrl_tools.config import RunConfig
+from jaxrl_tools.config import ConfigError, RunConfig
 from jaxrl_tools.eval import evaluate
+from jaxrl_tools.models import gguf_io
 from jaxrl_tools.rollout import Sampler, make_engine
 from jaxrl_tools.setup import (
     close_episodes,
@@ -274,18 +275,32 @@ def restore_trainer(cfg: RunConfig, step: int | None = None):
     return trainer, tokenizer, step
 
 
-def export(cfg: RunConfig, out: str, step: int | None = None) -> Path:
-    """Writes a checkpoint's policy as a Hugging Face folder (weights, config, tokenizer).
+def export(cfg: RunConfig, out: str, step: int | None = None, fmt: str = "hf") -> Path:
+    """Writes a checkpoint's policy as a Hugging Face folder (weights, config, tokenizer), or with
+    `fmt` "gguf-<dtype>" (f32, f16, bf16, q8_0) as one GGUF file (weights, tokenizer, chat
+    template) for llama.cpp-based tools.
 
-    `out` must be new or an empty folder: nothing is overwritten. A LoRA run writes the merged
-    weights there, and its adapters in PEFT's format in `out/adapter` (after an SFT stage, their
-    base, the SFT policy, in `out/adapter_base`).
+    `out` must be new (a folder may be empty): nothing is overwritten. A LoRA run writes the
+    merged weights there; as a folder, its adapters also in PEFT's format in `out/adapter` (after
+    an SFT stage, their base, the SFT policy, in `out/adapter_base`).
     """
-    check.check_new_output(out)
+    gguf_dtype = _gguf_dtype(fmt, out)
+    if gguf_dtype is None:
+        check.check_new_output(out)
     trainer, tokenizer, step = restore_trainer(cfg, step)
     model_cfg, params = trainer.model_cfg, trainer.params
-    if trainer.lora is not None:  # merged full weights, and the adapters in PEFT's format
+    if trainer.lora is not None:
         params = models.merge(trainer.base, trainer.state.params, trainer.lora)
+    if gguf_dtype is not None:
+        try:
+            gguf_io.save_gguf(
+                model_cfg, params, tokenizer, out, gguf_dtype, name=cfg.trainer.run_name
+            )
+        except (ImportError, ValueError) as e:
+            raise ConfigError(f"export --format {fmt}: {e}") from None
+        log.info("exported step %d to %s", step, out)
+        return Path(out)
+    if trainer.lora is not None:  # the adapters in PEFT's format
         base_name = cfg.model.path
         if cfg.sft.enabled:  # the adapters' base is the SFT policy, not model.path
             base_name = str(Path(out) / "adapter_base")
@@ -301,6 +316,24 @@ def export(cfg: RunConfig, out: str, step: int | None = None) -> Path:
     tokenizer.save_pretrained(out)
     log.info("exported step %d to %s", step, out)
     return Path(out)
+
+
+EXPORT_FORMATS = ("hf", *(f"gguf-{d}" for d in gguf_io.GGUF_DTYPES))
+
+
+def _gguf_dtype(fmt: str, out: str) -> str | None:
+    """The GGUF dtype of an export format ("hf": None); checks `out` is a new .gguf file."""
+    if fmt not in EXPORT_FORMATS:
+        raise ConfigError(f"export --format {fmt!r} is not one of {', '.join(EXPORT_FORMATS)}")
+    if fmt == "hf":
+        return None
+    if not out.endswith(".gguf") or Path(out).exists():
+        raise ConfigError(f"export --format {fmt}: --out {out} must be a new file named *.gguf")
+    try:
+        gguf_io.require_gguf()  # a missing extra: before the checkpoint is restored
+    except ImportError as e:
+        raise ConfigError(f"export --format {fmt}: {e}") from None
+    return fmt.removeprefix("gguf-")
 
 
 def load_policy(cfg: RunConfig, *, from_checkpoint: bool, step: int | None = None):

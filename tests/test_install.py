@@ -41,6 +41,7 @@ EXTRA_ONLY = {
     "starlette": "agents",
     "uvicorn": "agents",
     "verifiers": "verifiers",
+    "gguf": "gguf",
 }
 HEAVY = ("jetstream", "tensorflow", "seqio")  # what the training path must not import
 # Distributions the core install must not pull in, even transitively: TensorFlow (~2 GB, via

@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jaxrl_tools.data import DataError
+from jaxrl_tools.datasets import pretrained
 from jaxrl_tools.datasets.function_calling import from_bfcl
 from jaxrl_tools.rewards.answers import last_boxed
 
@@ -373,11 +374,13 @@ def missing_hint(path: str) -> str | None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `prepare` subcommand's arguments."""
     table = "\n".join(f"  {d.name:14s}{d.what}: {d.source}" for d in DATASETS.values())
-    p.description = f"datasets:\n{table}"
+    p.description = (
+        f"datasets:\n{table}\nmodels (-> a Hugging Face folder):\n{pretrained.describe()}"
+    )
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("dataset", choices=sorted([*DATASETS, "retool-coldstart"]))
-    p.add_argument("--input", action="append", required=True, help="a downloaded file (repeat)")
-    p.add_argument("--output", required=True, help="the .jsonl or .parquet to write")
+    p.add_argument("dataset", choices=sorted([*DATASETS, "retool-coldstart", *pretrained.COMMANDS]))
+    p.add_argument("--input", action="append", help="a downloaded file (repeat)")
+    p.add_argument("--output", required=True, help="the .jsonl or .parquet (a model: folder)")
     p.add_argument("--answers", action="append", help="bfcl: possible-answer file(s)")
     p.add_argument(
         "--instruction",
@@ -389,11 +392,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     coldstart.add_argument("--model", help="the rewriter's model name at that endpoint")
     coldstart.add_argument("--api-key-env", help="an environment variable holding its API key")
     coldstart.add_argument("--concurrency", type=int, default=8, help="traces in flight")
+    pretrained.add_arguments(p)
     p.set_defaults(overrides=[])  # the CLI's dotted overrides: prepare takes none
 
 
 def run(args: argparse.Namespace) -> int:
     """`jaxrl-tools prepare`: converts, then prints the count and the output's sha256."""
+    if args.dataset in pretrained.COMMANDS:  # models, not records
+        return pretrained.run(args)
+    if not args.input:
+        raise DataError(f"prepare {args.dataset}: give the downloaded file(s) as --input")
     if args.dataset == "retool-coldstart":  # a model and the sandbox, not a conversion
         from jaxrl_tools.datasets import retool_coldstart  # noqa: PLC0415
 

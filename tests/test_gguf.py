@@ -358,3 +358,32 @@ def test_export_gguf_reads_back_in_transformers(trained, fmt, capsys):
         assert main(["export", "--config", str(trained), "--out", str(bad), "--format", fmt]) == 2
         assert "must be a new file named *.gguf" in capsys.readouterr().err
     assert not (trained.parent / "policy.bin").exists()
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {  # Llama 3.x's: llama.cpp keeps only a rope_freqs tensor of the divisors
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ],
+)
+def test_rope_scaling_round_trips(scaling, tokenizer, tmp_path):
+    hf = _hf_model("llama")
+    hf.config.rope_parameters = {"rope_theta": 500000.0, **scaling}
+    hf.save_pretrained(tmp_path / "src")
+    config, params = models.from_pretrained(tmp_path / "src")
+    assert config.rope_type == scaling["rope_type"]
+    gguf_io.save_gguf(config, params, tokenizer, tmp_path / "m.gguf", "f32")
+    gguf_io.gguf_to_hf(tmp_path / "m.gguf", tmp_path / "back", with_tokenizer=False)
+    back, params2 = models.from_pretrained(tmp_path / "back")
+    assert back == config
+    np.testing.assert_array_equal(
+        np.asarray(_forward(back, params2, jnp.asarray([IDS]))[0]),
+        np.asarray(_forward(config, params, jnp.asarray([IDS]))[0]),
+    )

@@ -1,11 +1,12 @@
 """Qwen2/2.5, Qwen3 and Llama 3.x decoders as Flax modules, KV cache, HF safetensors <-> params,
-LoRA adapters (`lora`) and their PEFT format (`peft_io`).
+LoRA adapters (`lora`) and their PEFT format (`peft_io`), GGUF files in and out (`gguf_io`:
+`gguf_to_hf`, `save_gguf`; the [gguf] extra).
 
 Layers are stacked along a leading "layers" axis and scanned (`nn.scan`): compile time stays flat
 with depth. All functions are pure; jit them with the (hashable) `ModelConfig` static.
 """
 
-from jaxrl_tools.models import attention, peft_io
+from jaxrl_tools.models import attention, gguf_io, peft_io
 from jaxrl_tools.models.cache import CACHE_AXES, KVCache, cache_axes, cache_bytes, init_cache
 from jaxrl_tools.models.config import (
     PARAM_DTYPES,
@@ -62,6 +63,7 @@ __all__ = [
     "forward",
     "forward_cached",
     "from_pretrained",
+    "gguf_io",
     "has_stacked_layers",
     "hidden_states",
     "init_cache",

@@ -134,7 +134,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def describe() -> str:
     """The model lines of `prepare --help`."""
     lines = ["  gguf          a GGUF file (Llama, Qwen2/2.5, Qwen3; --input FILE.gguf)"]
-    lines += [f"  {p.name:14s}{p.what}: pip package {p.requirement}" for p in PRETRAINED.values()]
+    lines += [f"  {p.name}\n{'':14s}{p.what}: pip {p.requirement}" for p in PRETRAINED.values()]
     return "\n".join(lines)
 
 

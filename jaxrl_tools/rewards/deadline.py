@@ -62,10 +62,11 @@ class Deadline:
 
 
 @contextlib.contextmanager
-def deadline(seconds: float) -> Iterator[Deadline]:
-    """Work in this thread (symbolic checks) ends by `seconds` from now."""
+def deadline(seconds: float | Deadline) -> Iterator[Deadline]:
+    """Work in this thread (symbolic checks) ends by `seconds` from now (or a `Deadline`)."""
     previous = getattr(_local, "deadline", None)
-    _local.deadline = current = Deadline(seconds)
+    current = seconds if isinstance(seconds, Deadline) else Deadline(seconds)
+    _local.deadline = current
     try:
         yield current
     finally:
@@ -224,7 +225,8 @@ def run_bounded(
                 if i >= n:
                     return
                 state["next"] += 1
-            with deadline(timeout_s) as running[i]:
+                running[i] = due = Deadline(timeout_s)
+            with deadline(due):
                 try:
                     value = fn(items[i])
                 except Exception as e:  # noqa: BLE001 -- the caller's to report

@@ -42,8 +42,10 @@ def text_reward(response: str, ground_truth=None, info=None) -> float:
 
 
 def hangs_after_step_1(response: str, ground_truth=None, info=None) -> float:
-    """text_reward at step 1; from step 2 on it never returns (a verifier stuck on an answer)."""
+    """text_reward at step 1; from step 2 on it never returns (a verifier stuck on an answer),
+    saying so in the file $HANGING."""
     if info is not None and (info.step or 0) >= 2:
+        Path(os.environ["HANGING"]).touch()
         threading.Event().wait()
     return text_reward(response)
 
@@ -186,14 +188,13 @@ def test_sigterm_while_a_reward_hangs_saves_the_step_and_exits(runs):
     cfg_path = tmp / "hung.json"
     cfg_path.write_text(json.dumps(cfg))
     cli = [sys.executable, "-m", "jaxrl_tools.cli", "train", "--config", str(cfg_path)]
-    proc = subprocess.Popen(cli, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    log = tmp / "hung" / "logs" / "metrics.jsonl"
+    hanging = tmp / "hung" / "hanging"
+    env = {**_env(), "HANGING": str(hanging)}
+    proc = subprocess.Popen(cli, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 600
-    while proc.poll() is None and time.monotonic() < deadline:
-        if log.exists() and log.read_text().strip():
-            break
+    while proc.poll() is None and time.monotonic() < deadline and not hanging.exists():
         time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)  # while step 2's reward hangs
     _, err = proc.communicate(timeout=120)  # it hung here for ever before the deadlines
     err = err.decode()
     assert proc.returncode == 128 + signal.SIGTERM, err[-4000:]

@@ -231,7 +231,8 @@ def test_save_gguf_of_the_real_weights_reads_back_in_transformers(ours, tmp_path
     config, params, tokenizer = ours
     ids = [_render(tokenizer, chat) for chat in [*CHATS, TOOL_CHAT]]
     full = _logits(ids, _ours(config, params))
-    for dtype, max_error, min_agreement in (("f16", 0.1, 0.99), ("q8_0", 2.0, 0.9)):
+    # F16 here; Q8_0 and BF16 read back on tiny models (tests/test_gguf.py): CI's time
+    for dtype, max_error, min_agreement in (("f16", 0.1, 0.99),):
         path = tmp_path / f"smollm2-{dtype}.gguf"
         t0 = time.perf_counter()
         gguf_io.save_gguf(config, params, tokenizer, path, dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import select
 import subprocess
 import sys
@@ -107,6 +108,10 @@ class _Died(Exception):
     pass
 
 
+class _Starting:
+    """A worker's place in the count while it starts."""
+
+
 class _Worker:
     def __init__(self):
         self.proc = subprocess.Popen(
@@ -145,26 +150,43 @@ class _Worker:
 
 
 class SymbolicChecker:
-    """math-verify's equivalence in worker processes, each check bounded by the calling
-    thread's deadline. A worker whose check times out is killed (with all it was computing)
-    and replaced on the next check; idle workers are kept for the next checks."""
+    """math-verify's equivalence in at most `max_workers` worker processes (more would only
+    contend for the cores; each costs a second or two to start), each check bounded by the
+    calling thread's deadline. A worker whose check times out is killed (with all it was
+    computing) and replaced on a later check; idle workers are kept for the next checks."""
 
-    def __init__(self):
+    def __init__(self, max_workers: int = min(4, os.cpu_count() or 1)):
+        self.max_workers = max_workers
         self._idle: list[_Worker] = []
         self._all: set[_Worker] = set()  # busy ones too: a given-up check may still run
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         atexit.register(self.close)
+
+    def _take(self) -> _Worker:
+        """An idle worker, a new one while there are fewer than max_workers, or the next to
+        be free (neither start-up nor waiting counts against the deadline)."""
+        current = getattr(_local, "deadline", None)
+        with current.pause() if current is not None else contextlib.nullcontext():
+            with self._lock:
+                while not self._idle and len(self._all) >= self.max_workers:
+                    self._lock.wait()
+                if self._idle:
+                    return self._idle.pop()
+                placeholder = _Starting()
+                self._all.add(placeholder)  # counted while it starts
+            try:
+                worker = _Worker()
+            finally:
+                with self._lock:
+                    self._all.discard(placeholder)
+                    self._lock.notify_all()
+            with self._lock:
+                self._all.add(worker)
+            return worker
 
     def equal(self, pred: str, gold: str) -> bool | None | TimedOut:
         """True / False; None: a side does not parse; TIMED_OUT: past the deadline."""
-        with self._lock:
-            worker = self._idle.pop() if self._idle else None
-        if worker is None:
-            current = getattr(_local, "deadline", None)
-            with current.pause() if current is not None else contextlib.nullcontext():
-                worker = _Worker()
-            with self._lock:
-                self._all.add(worker)
+        worker = self._take()
         try:
             reply = worker.check(pred, gold, remaining())
         except _Died as e:  # (sympy overflowed its stack, say): a check that gave no answer
@@ -179,6 +201,7 @@ class SymbolicChecker:
             return TIMED_OUT
         with self._lock:
             self._idle.append(worker)
+            self._lock.notify_all()
         status, value = reply
         if status == "error":
             raise RuntimeError(f"math-verify raised {value}")
@@ -188,12 +211,14 @@ class SymbolicChecker:
         worker.kill()
         with self._lock:
             self._all.discard(worker)
+            self._lock.notify_all()
 
     def close(self) -> None:
         with self._lock:
             workers, self._all, self._idle = self._all, set(), []
         for w in workers:
-            w.kill()
+            if isinstance(w, _Worker):
+                w.kill()
 
 
 SYMBOLIC = SymbolicChecker()

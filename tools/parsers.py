@@ -291,15 +291,17 @@ class ToRLParser(Parser):
             )
         if seg[close + 3 :].strip():
             return ParseResult(error="Error: text between the code block and ```output")
-        code = seg[body_start:close]
+        return self._code_call(seg[body_start:close], text[opens[-1].start() :])
+
+    def _code_call(self, code: str, raw: str) -> ParseResult:
+        """The call running a ```python block's `code`, or the error for an empty or
+        unencodable one."""
         if not code.strip():
             return ParseResult(error="Error: empty ```python block")
         err = json_value_error(code, "the ```python block")
         if err:
             return ParseResult(error=f"Error: {err}")
-        return ParseResult(
-            calls=[ToolCall(self.tool_name, {"code": code}, raw=text[opens[-1].start() :])]
-        )
+        return ParseResult(calls=[ToolCall(self.tool_name, {"code": code}, raw=raw)])
 
     def format_observation(self, obs_texts: list[str]) -> str:
         return "\n" + "\n".join(obs_texts) + "\n```\n"
@@ -321,15 +323,7 @@ class ZeroTIRParser(ToRLParser):
         close = text.find("```", body_start)
         if close < 0:
             return ParseResult(error="Error: unterminated ```python block: close it with ```")
-        code = text[body_start:close]
-        if not code.strip():
-            return ParseResult(error="Error: empty ```python block")
-        err = json_value_error(code, "the ```python block")
-        if err:
-            return ParseResult(error=f"Error: {err}")
-        return ParseResult(
-            calls=[ToolCall(self.tool_name, {"code": code}, raw=text[opens[-1].start() :])]
-        )
+        return self._code_call(text[body_start:close], text[opens[-1].start() :])
 
     def format_observation(self, obs_texts: list[str]) -> str:
         return "\n```output\n" + "\n".join(obs_texts) + "\n```\n"

@@ -26,7 +26,7 @@ import jax
 
 from jaxrl_tools import curation, data, envs, prompts, sharding
 from jaxrl_tools.config import ConfigError, RunConfig
-from jaxrl_tools.demo import function_calling, grid_games, task
+from jaxrl_tools.demo import function_calling, grid_games, task, when_to_call
 from jaxrl_tools.tools import get_parser
 from jaxrl_tools.tools.search import iter_passages
 
@@ -170,9 +170,13 @@ class TaskSource(Source):
         return f"generated {cfg.data.task}"
 
     def records(self, cfg, split):
+        if cfg.data.task == "when_to_call":
+            return when_to_call.task_records(cfg.data, split)
         return task.task_records(cfg.data, cfg.rollout.protocol, split)
 
     def tokenizer_texts(self, cfg):  # the declarations (and requests and answers)
+        if cfg.data.task == "when_to_call":
+            return []  # a pretrained model's own tokenizer
         if cfg.data.task == "function_calling":
             return function_calling.tokenizer_texts()
         return task.tokenizer_texts(cfg.rollout.protocol) + super().tokenizer_texts(cfg)
@@ -185,9 +189,25 @@ class TaskSource(Source):
                 f"{list(task.TRACE_PROTOCOLS)}, not {cfg.rollout.protocol!r}: give "
                 "sft.train_files, change the protocol, or set sft.enabled=false"
             )
+        if cfg.data.task == "when_to_call" and cfg.rollout.protocol not in when_to_call.PROTOCOLS:
+            return (
+                f"sft.enabled with when_to_call traces needs rollout.protocol in "
+                f"{list(when_to_call.PROTOCOLS)}, not {cfg.rollout.protocol!r}"
+            )
         return None
 
     def sft_traces(self, cfg, tokenizer):
+        if cfg.data.task == "when_to_call":
+            return when_to_call.sft_traces(
+                when_to_call.make_records(
+                    cfg.sft.num_traces, cfg.data.shuffle_seed + 20_000, "train"
+                ),
+                tokenizer,
+                cfg.sft,
+                protocol=cfg.rollout.protocol,
+                system_prompt=cfg.data.system_prompt,
+                seed=cfg.data.shuffle_seed,
+            )
         return task.task_sft_traces(cfg.data, cfg.sft, cfg.rollout.protocol, tokenizer)
 
 

@@ -9,7 +9,7 @@ from jaxrl_tools import models
 from jaxrl_tools.config.checks import _at_least, _check, _check_choice
 from jaxrl_tools.train.lora import DECODE_MODES as LORA_DECODE_MODES
 
-TASKS = ("tool_arithmetic", "function_calling")  # generated data (`data.task`)
+TASKS = ("tool_arithmetic", "function_calling", "when_to_call")  # generated data (`data.task`)
 CURRICULA = ("easy_to_hard",)  # orders of the training prompts (`data.curriculum`)
 
 
@@ -166,8 +166,9 @@ class DataSection:
     # counted (true) or an error at start-up (false).
     drop_long_prompts: bool = False
     max_eval_records: int | None = None  # evaluate on the first N eval records only (null: all)
-    # Generated data when train_files is empty: tool_arithmetic (the demo) or function_calling
-    # (task_difficulty is then the most tools shown per prompt).
+    # Generated data when train_files is empty: tool_arithmetic (the demo), function_calling
+    # (task_difficulty is then the most tools shown per prompt) or when_to_call (the real-model
+    # demo: questions answered in the head mixed with arithmetic that needs Python).
     task: str | None = None
     task_train_size: int = 2000
     task_eval_size: int = 200

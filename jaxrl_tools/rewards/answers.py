@@ -151,9 +151,22 @@ def qa_f1(prediction: str, ground_truth: Any) -> float:
     return best
 
 
+def boxed_correct(response: str, ground_truth: Any) -> bool:
+    """The last \\boxed{} against a number (numerically) or words (normalised exact match):
+    short answers of either kind, with no symbolic parse."""
+    pred = last_boxed(response)
+    if pred is None:
+        return False
+    a, b = _as_number(pred), _as_number(str(ground_truth))
+    if a is not None and b is not None:
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+    return normalize_answer(pred) == normalize_answer(str(ground_truth))
+
+
 CORRECTNESS_CHECKERS: dict[str, Callable[[str, Any], bool]] = {
     "math": math_correct,
     "qa_em": qa_correct,
+    "boxed": boxed_correct,
 }
 
 
@@ -180,11 +193,13 @@ def qa_truth_error(ground_truth: Any) -> str | None:
 TRUTH_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "math": math_truth_error,
     "qa_em": qa_truth_error,
+    "boxed": math_truth_error,
 }
 
 
 def is_correct(response: str, ground_truth: Any, kind: str = "math") -> bool:
-    """Correctness by checker name ("math": last \\boxed{}, "qa_em": last <answer>)."""
+    """Correctness by checker name ("math": last \\boxed{}, "qa_em": last <answer>, "boxed":
+    last \\boxed{} as a number or words)."""
     if kind not in CORRECTNESS_CHECKERS:
         raise KeyError(
             f"unknown correctness checker {kind!r}; known: {sorted(CORRECTNESS_CHECKERS)}"

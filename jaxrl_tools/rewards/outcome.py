@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxrl_tools.rewards.answers import (
+    boxed_correct,
     last_answer_tag,
     last_boxed,
     math_correct,
@@ -54,6 +55,20 @@ def qa_em_reward(
 ) -> float:
     """Search-R1 exact match on the last <answer>, SQuAD-normalised; any target may match."""
     return correct if qa_correct(response, ground_truth) else wrong
+
+
+@register_reward("boxed")
+def boxed_reward(
+    response: str,
+    ground_truth: Any,
+    info: TrajectoryInfo | None = None,
+    *,
+    correct: float = 1.0,
+    wrong: float = 0.0,
+) -> float:
+    """Short answers of either kind: the last \\boxed{} as a number or as words
+    (`answers.boxed_correct`); no symbolic parse, so it never needs a worker."""
+    return correct if boxed_correct(response, ground_truth) else wrong
 
 
 @register_reward("qa_f1", correctness="qa_em")

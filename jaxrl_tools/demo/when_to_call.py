@@ -1,0 +1,191 @@
+"""The real-model task (`data.task: when_to_call`): questions a small chat model answers in its
+head (level 0: facts and one-step reasoning) mixed with arithmetic it cannot do without Python
+(levels 1-2: multi-digit, multi-step). A policy that learns *when* to call the tool answers the
+first kind directly and runs code for the second.
+
+    records = task_records(cfg.data, "train")          # prompts, "difficulty" 0, 1 or 2
+    traces = sft_traces(records, tokenizer, cfg.sft, protocol="zerotir", ...)
+
+Answers are checked by the `boxed` checker (numbers numerically, words by normalised match), so
+each record's ground truth is a plain string. Facts are split between train and eval by a hash
+of the question, so the held-out facts were never seen in SFT or RL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+from jaxrl_tools.config import DataSection, SFTSection
+from jaxrl_tools.tools import get_parser
+
+PROTOCOLS = ("zerotir", "torl")  # inline ```python protocols the traces are written in
+
+_DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+_MONTHS = (
+    "January February March April May June July August September October November December"
+).split()
+# fmt: off
+_CAPITALS = {
+    "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid",
+    "Japan": "Tokyo", "China": "Beijing", "Russia": "Moscow", "England": "London",
+    "Egypt": "Cairo", "Greece": "Athens", "Portugal": "Lisbon", "Ireland": "Dublin",
+    "Austria": "Vienna", "Norway": "Oslo", "Sweden": "Stockholm", "Finland": "Helsinki",
+    "Denmark": "Copenhagen", "Poland": "Warsaw", "Canada": "Ottawa", "Mexico": "Mexico City",
+    "Peru": "Lima", "Argentina": "Buenos Aires", "Kenya": "Nairobi", "Thailand": "Bangkok",
+    "South Korea": "Seoul", "India": "New Delhi", "Cuba": "Havana", "Belgium": "Brussels",
+    "Hungary": "Budapest", "Turkey": "Ankara", "Iran": "Tehran", "Chile": "Santiago",
+}
+_LEGS = {"dog": 4, "cat": 4, "horse": 4, "cow": 4, "spider": 8, "bird": 2, "chicken": 2,
+         "duck": 2, "ant": 6, "bee": 6, "snake": 0, "fish": 0, "octopus": 8, "human": 2}
+_OPPOSITES = {"hot": "cold", "big": "small", "up": "down", "day": "night", "fast": "slow",
+              "happy": "sad", "open": "closed", "light": "dark", "old": "young", "wet": "dry",
+              "full": "empty", "hard": "soft", "early": "late", "left": "right", "in": "out",
+              "yes": "no", "high": "low", "win": "lose", "long": "short", "black": "white"}
+# fmt: on
+_NAMES = ("Tom", "Anna", "Sam", "Lily", "Max", "Mia", "Ben", "Zoe")
+_THINGS = ("apples", "books", "coins", "pens", "cards", "balls", "cookies", "stickers")
+
+
+def _facts() -> list[tuple[str, str]]:
+    """Every fact question with its answer (a fixed list; split train/eval by hash)."""
+    out = [(f"What is the capital of {c}?", a) for c, a in _CAPITALS.items()]
+    out += [(f"How many legs does a {x} have?", str(n)) for x, n in _LEGS.items()]
+    out += [(f"What is the opposite of {w}?", a) for w, a in _OPPOSITES.items()]
+    for seq, kind in ((_DAYS, "day"), (_MONTHS, "month")):
+        n = len(seq)
+        out += [(f"What {kind} comes after {seq[i]}?", seq[(i + 1) % n]) for i in range(n)]
+        out += [(f"What {kind} comes before {seq[i]}?", seq[i - 1]) for i in range(n)]
+    letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    out += [
+        (f"What letter comes after {a} in the alphabet?", b) for a, b in zip(letters, letters[1:])
+    ]
+    return out
+
+
+def _in_eval(question: str) -> bool:
+    """A stable quarter of the facts is held out (never in SFT or RL prompts)."""
+    return hashlib.sha256(question.encode()).digest()[0] < 64
+
+
+def _head_question(rng: random.Random, facts: list[tuple[str, str]]) -> tuple[str, str]:
+    """A level-0 question: a fact, or one step of reasoning on small numbers."""
+    kind = rng.randrange(4)
+    if kind == 0:
+        return rng.choice(facts)
+    a, b = rng.randint(2, 9), rng.randint(1, 9)
+    if kind == 1:
+        who, what = rng.choice(_NAMES), rng.choice(_THINGS)
+        return f"{who} has {a} {what} and gets {b} more. How many {what} does {who} have now?", str(
+            a + b
+        )
+    if kind == 2:
+        n = rng.randint(2, 98)
+        after = rng.random() < 0.5
+        return f"What number comes {'after' if after else 'before'} {n}?", str(
+            n + 1 if after else n - 1
+        )
+    return f"Which number is larger, {a} or {a + b}?", str(a + b)
+
+
+def _tool_question(rng: random.Random, level: int) -> tuple[str, str, str]:
+    """(question, Python expression, answer) of a level-1 or level-2 arithmetic problem."""
+    if level == 1:  # 3-digit x 2-digit, then plus a 3-digit number
+        a, b, c = rng.randint(100, 999), rng.randint(12, 99), rng.randint(100, 999)
+        expr = f"{a} * {b} + {c}"
+        q = rng.choice(("What is {e}?", "Compute {e}.", "Calculate {e}."))
+        return q.format(e=expr), expr, str(a * b + c)
+    # two steps in words: a product, then a difference
+    a, b, c = rng.randint(1000, 9999), rng.randint(100, 999), rng.randint(1000, 99999)
+    who, what = rng.choice(_NAMES), rng.choice(_THINGS)
+    q = (
+        f"{who} packs {a} boxes with {b} {what} each, then gives away {c} {what}. "
+        f"How many {what} are left?"
+    )
+    return q, f"{a} * {b} - {c}", str(a * b - c)
+
+
+def make_records(n: int, seed: int, split: str, tool_frac: float = 0.5) -> list[dict]:
+    """`n` prompt records, a fraction `tool_frac` of them arithmetic (levels 1 and 2 alike),
+    the rest level-0 questions; facts from the `split`'s side of the hash split."""
+    facts = [f for f in _facts() if _in_eval(f[0]) == (split == "eval")]
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if rng.random() < tool_frac:
+            level = rng.choice((1, 2))
+            q, expr, ans = _tool_question(rng, level)
+        else:
+            level, (q, ans), expr = 0, _head_question(rng, facts), ""
+        out.append(
+            {
+                "id": f"when-{split}-{seed}-{i}",
+                "prompt": q,
+                "ground_truth": ans,
+                "difficulty": level,
+                "expression": expr,
+            }
+        )
+    return out
+
+
+def task_records(data: DataSection, split: str) -> list[dict]:
+    """The task's prompt records: "train", or the held-out "eval" set (another seed, held-out
+    facts)."""
+    if split == "train":
+        return make_records(data.task_train_size, data.shuffle_seed, "train")
+    return make_records(data.task_eval_size, data.shuffle_seed + 10_000, "eval")
+
+
+def _final(answer: str) -> str:
+    return f"The answer is \\boxed{{{answer}}}."
+
+
+def trace_parts(record: dict, use_tool: bool, protocol: str) -> list[tuple[str, bool]]:
+    """The response of one trace as (text, trainable) parts: the answer alone, or a ```python
+    block, the output block the host inserts (not trained) and the answer."""
+    ans = record["ground_truth"]
+    if not use_tool:
+        return [(_final(ans), True)]
+    code = f"```python\nprint({record['expression'] or repr(ans)})\n```"
+    if protocol == "torl":
+        code += "\n```output"
+    obs = get_parser(protocol).format_observation([f"{ans}\n"])
+    return [(code, True), (obs, False), (_final(ans), True)]
+
+
+def sft_traces(
+    records: list[dict],
+    tokenizer,
+    sft: SFTSection,
+    *,
+    protocol: str,
+    system_prompt: str | None,
+    seed: int,
+) -> list[list[list[Any]]]:
+    """SFT traces as segment lists ([[text, trainable], ...]): arithmetic with the tool with
+    probability `sft.tool_mix`, level-0 questions with it with probability `sft.easy_tool_mix`,
+    the rest answered directly (so the choice of the first token is what RL refines)."""
+    rng = random.Random(seed)
+    out = []
+    for rec in records:
+        p = sft.easy_tool_mix if rec["difficulty"] == 0 else sft.tool_mix
+        parts = trace_parts(rec, rng.random() < p, protocol)
+        msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": rec["prompt"]}
+        ]
+        prompt = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        body = "".join(t for t, _ in parts)
+        full = tokenizer.apply_chat_template(
+            msgs + [{"role": "assistant", "content": body}], tokenize=False
+        )
+        if not full.startswith(prompt + body):
+            raise ValueError(
+                "the chat template does not render an assistant turn after the generation "
+                "prompt: when_to_call traces need a ChatML-like template"
+            )
+        segs = [[prompt, False]] + [[t, train] for t, train in parts]
+        segs.append([full[len(prompt + body) :], True])  # the end of turn is trained
+        out.append(segs)
+    return out

@@ -176,3 +176,14 @@ def test_scripted_run_refuses_environment_recipes(tok):
     cfg = load_config(configs.path("frozenlake_grpo"), [])
     with pytest.raises(Exception, match="environment"):
         ScriptedRun(cfg, tools=[], tokenizer=tok)
+
+
+def test_check_warns_when_the_turn_limit_would_cut_the_budget():
+    from jaxrl_tools.check.setup import budget_warning
+
+    for name in ("torl", "zerotir", "search_r1", "retool", "artist", "mixed_tools"):
+        assert budget_warning(load_config(configs.path(name), [])) is None, name
+    cfg = load_config(configs.path("retool"), ["rollout.max_turns=4"])
+    assert "max_turns=4 ends a response after 4 tool turns" in budget_warning(cfg)
+    several = load_config(configs.path("mixed_tools"), ["rollout.max_turns=2"])
+    assert budget_warning(several) is None  # several calls per turn fit

@@ -60,6 +60,8 @@ _VALUE_OPTIONS = (
     "--coordinator",
     "--num-processes",
     "--process-id",
+    "--scripted",
+    "--output",
 )
 _DOTTED_OPTION = re.compile(r"^--[A-Za-z_][\w\[\]]*[.\[][\w.\[\]]*(=.*)?$", re.DOTALL)
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][\w.\[\]]*=", re.DOTALL)
@@ -110,6 +112,9 @@ def _load(args):
 
 
 def _dispatch(args, cfg) -> int | None:
+    if args.command == "eval" and args.scripted:  # no model: the text-level loop alone
+        _scripted(cfg, args)
+        return None
     if args.command in ("demo", "train", "sft", "eval", "serve"):
         setup.use_compile_cache(cfg)
         if jax.default_backend() == "cpu":
@@ -217,6 +222,19 @@ def _eval(cfg, args) -> None:
     for key, value in sorted(metrics.items()):
         if not key.startswith("_"):
             print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
+
+
+def _scripted(cfg, args) -> None:
+    from jaxrl_tools.rollout.scripted import scripted_eval  # noqa: PLC0415
+
+    if not args.output:
+        raise ConfigError("eval --scripted FILE needs --output OUT.jsonl (the rows written)")
+    rows = scripted_eval(cfg, args.scripted, args.output)
+    mean = sum(r["reward"] for r in rows) / max(1, len(rows))
+    print(
+        f"jaxrl-tools eval --scripted: {len(rows)} responses, mean reward {mean:.4g}, "
+        f"rows in {args.output} (no model was run)"
+    )
 
 
 def _plan(cfg, args) -> "plan.RunPlan":
@@ -370,6 +388,13 @@ def main(argv=None) -> int:
     p = command("eval", "accuracy / pass@k and tool statistics on the eval data")
     p.add_argument("--checkpoint", action="store_true", help="evaluate the run's checkpoint")
     p.add_argument("--step", type=int)
+    p.add_argument(
+        "--scripted",
+        metavar="FILE.jsonl",
+        help="a dry run without a model: lines {prompt, ground_truth, turns: [model text, ...]} "
+        "played through the recipe's protocol, tools, budgets and reward",
+    )
+    p.add_argument("--output", metavar="OUT.jsonl", help="with --scripted: the rows written")
     p = command(
         "pass-rate",
         "sample each training prompt k times with the recipe's policy; write those whose pass "

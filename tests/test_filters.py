@@ -79,3 +79,20 @@ def test_within_group_reward_spread_metrics(seed):
     assert m["reward/uniform_groups_frac"] == pytest.approx(uniform / len(r))
     assert m["reward/uniform_groups_frac"] >= 2 / 12  # groups 0 and 1
     assert group_reward_metrics(r.reshape(-1), 1) == {}  # one sample a prompt: no groups
+
+
+def test_dapo_dynamic_sampling_filters_on_accuracy_not_the_shaped_reward():
+    """DAPO: an all-correct group with one response in the overlong buffer has unequal
+    rewards, yet no accuracy signal: dropped. A mixed group is kept."""
+    from jaxrl_tools import configs
+    from jaxrl_tools.config_loader import load_config
+    from jaxrl_tools.train.batch import filter_groups
+
+    filters = load_config(configs.path("dapo"), []).algorithm.filters
+    math = np.array([1, 1, 1, 1, 1, -1, 1, 1], np.float32)
+    overlong = np.array([0, 0, 0, -0.5, 0, 0, 0, 0], np.float32)
+    parts = {"math": math, "dapo_overlong": overlong}
+    scores = math + overlong
+    np.testing.assert_array_equal(filter_groups(scores, 4, filters, parts), [1])
+    # without an answer-check term, the reward itself
+    np.testing.assert_array_equal(filter_groups(scores, 4, filters), [0, 1])

@@ -29,7 +29,8 @@ def test_qwen_several_calls_and_unicode():
     assert r.calls[0].arguments == {"query": "Zürich 東京 🚀"}
     assert r.calls[1].arguments == {"expression": "1+1"}  # double-encoded arguments accepted
     assert p.stop_strings == ("</tool_call>",)
-    assert get_parser("qwen", stop_at_each_call=False).stop_strings == ("<|im_end|>",)
+    p = get_parser("qwen", stop_at_each_call=False)
+    assert p.stop_strings == () and p.turn_stops == ("<|im_end|>",)
 
 
 def test_qwen_no_call_is_not_an_error():

@@ -21,6 +21,7 @@ from jaxrl_tools.check.inputs import (
     tiny_model_config,
 )
 from jaxrl_tools.check.setup import (
+    budget_warning,
     check_batch,
     check_ground_truths,
     check_mesh,
@@ -137,6 +138,8 @@ def preflight(cfg: RunConfig, *, needs_eval: bool = False) -> dict[str, Any]:
     check_rewards(cfg)
     check_ground_truths(cfg, splits)
     mesh_shape, n_devices, warnings = check_mesh(cfg)
+    if (budget := budget_warning(cfg)) is not None:
+        warnings = [*warnings, budget]
     for warning in warnings:
         log.warning("%s", warning)
     check_batch(cfg, mesh_shape)

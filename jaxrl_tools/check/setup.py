@@ -62,6 +62,22 @@ def build_tools(cfg: RunConfig) -> list[tools.Tool]:
     return built
 
 
+def budget_warning(cfg: RunConfig) -> str | None:
+    """One line when the turn limit would end responses before their tool budget is spent
+    (one call per turn and fewer tool turns than calls), else None."""
+    r = cfg.rollout
+    several = r.protocol in ("qwen", "hermes") and r.multi_call
+    if r.protocol == "none" or cfg.env.name is not None or r.agent is not None or several:
+        return None
+    if r.max_turns >= r.max_tool_calls:
+        return None
+    return (
+        f"rollout.max_turns={r.max_turns} ends a response after {r.max_turns} tool turns, "
+        f"before its max_tool_calls={r.max_tool_calls} calls (one per turn): raise max_turns "
+        "to the budget"
+    )
+
+
 def check_tools(cfg: RunConfig) -> list[tools.Tool]:
     """The agent loads, the tools build, the protocol has a tool to call, and the Python
     sandbox can start.

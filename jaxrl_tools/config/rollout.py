@@ -41,7 +41,15 @@ class RolloutSection:
     # (the response ends there, finish reason "tool_budget").
     over_budget: str = "notice"
     budget_notice: str = BUDGET_NOTICE
-    max_turns: int = 4  # model turns per response (with an env section, env.max_turns rules)
+    # Tool turns per response: model turns answered with tool results. The answer turn after
+    # them is not counted, and a call past max_tool_calls gets over_budget's policy first. With
+    # an env section, env.max_turns rules.
+    max_turns: int = 4
+    # Qwen/Hermes protocol: every <tool_call> of an assistant turn runs (concurrently, within
+    # tool_concurrency), their results in one tool turn, in order; generation runs to the
+    # turn's end. false: it stops at the first </tool_call>, one call per turn. Inline
+    # protocols make one call per segment whatever this says.
+    multi_call: bool = True
     # Tokens one model turn may generate (Search-R1's per-turn cap); a turn cut there ends the
     # response ("turn_length"), or is an environment's action as written. null = no cap.
     max_turn_tokens: int | None = None

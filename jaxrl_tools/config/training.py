@@ -15,7 +15,7 @@ from jaxrl_tools.train.state import SCHEDULES
 class FiltersSection:
     """Group filters applied before the update."""
 
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+    dynamic_sampling: bool = False  # DAPO: drop groups all right or all wrong (accuracy)
     starpo_s: bool = False  # RAGEN: keep the top fraction of groups by reward std
     starpo_keep_frac: float = 0.25
     zerotir: bool = False  # keep groups whose accuracy is in [low, high]

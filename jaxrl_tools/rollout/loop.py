@@ -81,7 +81,9 @@ class RolloutLimits:
       max_tool_calls: C, tool calls executed per trajectory; a later call gets `budget_notice`
         as its observation (`over_budget` "notice"), no answer ("ignore": the model writes
         on), or ends the trajectory ("end": finish reason "tool_budget").
-      max_turns: model segments per trajectory.
+      max_turns: tool turns per trajectory (model turns answered with tool results; the
+        answer turn after them and calls past the budget, which get `over_budget`'s policy
+        first, do not count); with an environment, model turns (each an environment step).
       max_turn_tokens: tokens one model segment may generate (None: no cap); a segment cut
         there ends with "turn_length" (`Resolver.end_segment`).
       max_obs_tokens: cap per tool output (head + "..." + tail beyond it).
@@ -210,7 +212,8 @@ async def arun_rollouts(
         sampling=sampling or SamplingParams(),
         eos=set(engine.eos_token_ids if eos_token_ids is None else eos_token_ids),
         tool_stops=tuple(parser.stop_strings) if parser is not None else (),
-        final_stops=tuple(stop_strings),
+        # a turn of several calls ends at the turn's end, like an answer (`Resolver`)
+        final_stops=tuple(stop_strings) + tuple(getattr(parser, "turn_stops", ())),
     )
     t0 = time.perf_counter()
     done = await driver.run()

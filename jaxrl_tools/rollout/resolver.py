@@ -5,16 +5,22 @@ A segment ends when the stop scan (`stops.scan_chunk`) finds a tool stop string,
 or a final stop string. `Resolver.end_segment` decides:
 
 - tool stop string (the parser's `stop_strings`): parse, then execute the calls (at most C in
-  the whole trajectory; a later call gets a notice as its observation, is not answered at all
-  (the model writes on, ToRL), or ends the trajectory: `rollout.over_budget`); a parse error is
-  an error observation. The observation is the parser's inline format (ToRL, ReTool,
-  Search-R1) or, for chat protocols, tool turns of the tokenizer's chat template.
-- EOS / final stop string: with a parser, a segment that parses into calls without error (Qwen
-  multi-call turns ending in <|im_end|>) is a tool turn. Otherwise, with an environment (RAGEN
-  style), the turn's text (without its end token) steps the environment and its observation
-  comes back as a user turn, until it says done ("done"). Otherwise the trajectory ends
-  ("eos" / "stop").
-- either kind of turn past `max_turns` model segments ends the trajectory ("turns").
+  the whole trajectory); a parse error is an error observation. The observation is the parser's
+  inline format (ToRL, ReTool, Search-R1) or, for chat protocols, tool turns of the tokenizer's
+  chat template.
+- EOS / final stop string (or the parser's `turn_stops`): with a parser, a segment that parses
+  into calls without error (Qwen turns of several calls) is a tool turn; with a chat protocol a
+  parse error (an unclosed <tool_call>, a call inside <think>) is one too: the model sees the
+  error. Otherwise, with an environment (RAGEN style), the turn's text (without its end token)
+  steps the environment and its observation comes back as a user turn, until it says done
+  ("done"). Otherwise the trajectory ends ("eos" / "stop").
+
+Budgets, in this order: a turn whose calls are all past the tool budget C gets the recipe's
+`rollout.over_budget` whatever the turn limit: "ignore" (no answer, the model writes on; not a
+turn), "end" ("tool_budget") or "notice" (the notice, then the model resumes: the first notice
+always comes). Then the turn limit: a tool turn past `max_turns` tool turns ends the trajectory
+("turns"); the answer turn after them is not counted. Environment turns count every model
+segment: the trajectory ends at the `max_turns`-th ("turns").
 
 Tool calls and environment steps take time: they come back as a coroutine whose result is an
 `Append` (observation tokens) or a `Finish`; `bounded` turns an `Append` that would pass the
@@ -84,7 +90,9 @@ class Sample:
         self.episode: Any = None  # the agent run it belongs to (rollout.agents)
         self.owned = True  # this process runs its tools and environment (multi-controller)
         self.seg_start = 0  # response index where the current model segment began
-        self.turns = 0
+        self.turns = 0  # model segments ended
+        self.tool_turns = 0  # turns answered with tool results (the turn limit's count)
+        self.noticed = False  # shown the budget notice
         self.session_id = f"{traj.prompt_index}-{traj.sample_index}-{uuid.uuid4().hex[:8]}"
         self.markups: list[str] = []  # each observation's markup, its texts left out
 
@@ -185,19 +193,38 @@ class Resolver:
         parsed = None
         if reason == "tool" or self.parser is not None:
             parsed = self.parser.parse(seg_text)
+        # a chat protocol's turn that ended malformed: the model sees the error, not the end
+        chat_error = getattr(self.parser, "chat_role", None) and parsed and parsed.error
         if reason == "tool" or (parsed is not None and parsed.calls and not parsed.error):
+            kind = "tool"
+        elif chat_error:
             kind = "tool"
         elif s.env is not None:
             kind = "env"
         else:
             return Finish(reason)
+        ended = reason in ("eos", "stop") and getattr(self.parser, "chat_role", None)
+        if kind == "tool":
+            return self._budgeted_turn(s, parsed, ended_with_eos=reason == "eos" or ended)
         if s.turns >= self.max_turns:
             return Finish("turns")
-        if kind == "tool":
-            return self._tool_turn(s, parsed, ended_with_eos=reason == "eos")
         if reason == "eos":  # the environment gets the turn's text, not its end token
             seg_text = self.decode(s.seg_tokens[:-1])
         return self._env_turn(s, seg_text, ended_with_eos=reason == "eos")
+
+    def _budgeted_turn(self, s: Sample, parsed, ended_with_eos: bool):
+        """A tool turn under the budgets: the over-budget policy before the turn limit."""
+        over = not parsed.error and s.traj.num_tool_calls >= self.max_tool_calls
+        if over and self.over_budget == "ignore":
+            s.turns -= 1  # the same turn goes on
+        elif over and self.over_budget == "notice" and not s.noticed:
+            s.noticed = True
+            s.tool_turns += 1
+        elif not (over and self.over_budget == "end"):
+            s.tool_turns += 1
+            if s.tool_turns > self.max_turns:
+                return Finish("turns")
+        return self._tool_turn(s, parsed, ended_with_eos)
 
     def bounded(self, s: Sample, outcome: Outcome) -> Outcome:
         """`outcome`, or the finish it becomes when its observation would fill the response

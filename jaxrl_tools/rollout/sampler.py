@@ -35,6 +35,16 @@ def declares_tools(protocol: str) -> bool:
     return protocol != "none" and bool(getattr(get_parser(protocol), "chat_role", None))
 
 
+def rollout_parser(settings: RolloutSection):
+    """The rollout section's parser (None for protocol none): Qwen/Hermes with several calls
+    per turn where `rollout.multi_call` asks."""
+    if settings.protocol == "none":
+        return None
+    if settings.protocol in ("qwen", "hermes"):
+        return get_parser(settings.protocol, stop_at_each_call=not settings.multi_call)
+    return get_parser(settings.protocol)
+
+
 def make_engine(
     model_cfg,
     params,
@@ -190,7 +200,7 @@ class Sampler:
             [self.encode_prompt(rec) for rec in records],
             tokenizer=self.tokenizer,
             num_samples=group_size,
-            protocol=r.protocol if self.executor is not None else None,
+            protocol=rollout_parser(r) if self.executor is not None else None,
             executor=self.executor,
             limits=self.limits,
             sampling=sampling,

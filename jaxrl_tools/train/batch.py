@@ -143,9 +143,9 @@ def rollout_metrics(
     for name, values in parts.items():
         total = name == TIMEOUTS  # calls, not a mean
         out[f"reward/{name}"] = float(np.sum(values) if total else np.mean(values))
-    checker = next((name for name in CORRECTNESS_CHECKERS if name in parts), None)
-    if checker is not None:  # a reward term that is an answer check gives the accuracy
-        out["reward/accuracy"] = float(np.mean(np.asarray(parts[checker]) > 0))
+    correct = answer_correct(parts)
+    if correct is not None:
+        out["reward/accuracy"] = float(np.mean(correct))
     turns = np.array([len(t.env_rewards) for t in trajectories], np.float32)
     if turns.any():  # episodes of an environment
         out["env/success_rate"] = float(np.mean([t.env_success for t in trajectories]))
@@ -209,13 +209,27 @@ def complete_groups(groups, trajectories: Sequence[Trajectory], group_size: int)
     ]
 
 
-def filter_groups(scores_N: np.ndarray, group_size: int, filters: FiltersSection) -> np.ndarray:
-    """Indices of the prompt groups the configured filters keep (DAPO, ZeroTIR, StarPO-S)."""
+def answer_correct(parts: dict) -> np.ndarray | None:
+    """Whether each response's answer is right, from the reward term that is an answer check
+    ("math", "qa_em", ...); None when no term is one."""
+    checker = next((name for name in CORRECTNESS_CHECKERS if name in parts), None)
+    return None if checker is None else np.asarray(parts[checker]) > 0
+
+
+def filter_groups(
+    scores_N: np.ndarray, group_size: int, filters: FiltersSection, parts: dict | None = None
+) -> np.ndarray:
+    """Indices of the prompt groups the configured filters keep (DAPO, ZeroTIR, StarPO-S).
+    DAPO's dynamic sampling drops groups whose accuracy is all 0 or all 1 (the answer check's
+    term of `parts`; the reward itself where there is none): shaping such as the overlong
+    penalty does not keep an all-correct group."""
     keep = np.arange(len(scores_N) // group_size)
     sel = lambda idx: keep[np.isin(keep, idx)]
     grouped = scores_N.reshape(-1, group_size)
     if filters.dynamic_sampling:
-        keep = sel(algorithms.dynamic_sampling_filter(grouped))
+        correct = answer_correct(parts or {})
+        signal = grouped if correct is None else correct.astype(float).reshape(-1, group_size)
+        keep = sel(algorithms.dynamic_sampling_filter(signal))
     if filters.zerotir:
         keep = sel(
             algorithms.accuracy_band_filter(
@@ -376,7 +390,7 @@ def make_batch(
     ([len(records)], ReMax): each record's greedy-rollout reward, per row."""
     scores, parts = score_trajectories(reward, records, trajectories, group_size, step)
     keep_groups = complete_groups(
-        filter_groups(scores, group_size, filters), trajectories, group_size
+        filter_groups(scores, group_size, filters, parts), trajectories, group_size
     )
     keep = [g * group_size + j for g in keep_groups for j in range(group_size)]
     metrics = rollout_metrics(trajectories, scores, parts, group_size=group_size)
@@ -467,7 +481,9 @@ def collect_batch(
                 }
                 for i, t in enumerate(trajs)
             ]
-        kept_groups = complete_groups(filter_groups(scores, group_size, filters), trajs, group_size)
+        kept_groups = complete_groups(
+            filter_groups(scores, group_size, filters, parts), trajs, group_size
+        )
         for g in kept_groups[: need - len(kept_records)]:
             kept.extend(trajs[g * group_size : (g + 1) * group_size])
             kept_scores.append(scores[g * group_size : (g + 1) * group_size])

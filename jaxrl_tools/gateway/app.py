@@ -56,13 +56,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import functools
 import hmac
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -70,15 +71,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from jaxrl_tools.gateway.backend import Backend, BadRequest, Chat, Completion
+from jaxrl_tools.gateway import completions, responses
+from jaxrl_tools.gateway.backend import Backend, BadRequest, Chat, ChatCall, Completion
 from jaxrl_tools.gateway.requests import (
     MAX_BODY_BYTES,
-    MAX_CHOICES,
-    MAX_N,
-    MAX_PROMPTS,
     APIError,
     Fields,
     bad,
+    call_opener,
     generations,
     read_messages,
     read_response_format,
@@ -97,7 +97,6 @@ from jaxrl_tools.gateway.streaming import (
     sse,
     stream_error,
     streaming,
-    text_logprobs,
     usage,
 )
 
@@ -183,11 +182,79 @@ class _Gateway:
         return room
 
     # ------------------------------------------------------------------ chat
+    async def prepare(self, messages, tools, choice, s: dict, param="messages") -> ChatCall:
+        """A chat request (read by any route: chat completions, responses, messages) as the
+        prompt and generations of its choices; `param` names the messages' field."""
+        mode, name = choice
+        opener = call_opener(mode, name)
+        if opener and getattr(self.chat, "parser", "") is None:
+            raise bad(
+                "tool_choice cannot force a call: this model's protocol reads no tool calls "
+                "(rollout.protocol); send 'auto' or 'none'",
+                "tool_choice",
+            )
+        self._fits(sum(len(m.get("content") or "") for m in messages), param)
+        prompt = [
+            int(t) for t in await self._off_loop(self.chat.prompt_ids, messages, tools, opener)
+        ]
+        stop = s["stop"]
+        if tools and mode == "none" and TOOL_CALL_TAG not in stop:
+            stop = (*stop, TOOL_CALL_TAG)
+        gens = generations(prompt, s, self._room(prompt, param), stop, opener)
+        return ChatCall(messages, tools, gens, prompt, opener, self.tokens.encode(opener))
+
+    async def _reply(self, call: ChatCall, c: Completion) -> tuple[dict, str]:
+        return await self._off_loop(self.chat.reply, call.messages, call.tools, call.written(c))
+
+    async def replies(self, call: ChatCall) -> list[tuple[Completion, dict, str]]:
+        """Each choice's completion, assistant message and finish reason."""
+        return [
+            (c, *await self._reply(call, c)) for c in await generate_all(self.backend, call.gens)
+        ]
+
+    async def events(self, call: ChatCall) -> AsyncIterator[tuple]:
+        """The choices streamed: ("text", i, delta, ids, logprobs) as text is released (with the
+        tokens received since the last), then ("end", i, completion, message, finish, rest,
+        ids, logprobs): the rest of the content and of the tokens."""
+        tags = (TOOL_CALL_TAG,) if call.tools else ()
+        streams = [TextStream(self.tokens, g.stop, tags, strip=bool(call.tools)) for g in call.gens]
+        for st in streams:
+            st.cut = bool(call.opener)  # a forced call: its text is the call's, none is content
+        got: list[list[tuple[int, float]]] = [[] for _ in call.gens]  # tokens received
+        sent = [0] * len(call.gens)  # tokens released (their ids and log-probs)
+        run = Run(self.backend, call.gens)
+        try:
+            async for event in run.events():
+                if event[0] == "tokens":
+                    _, i, ids, lps = event
+                    got[i] += zip(ids, lps)
+                    delta = streams[i].add(ids)
+                    if delta:
+                        new, sent[i] = got[i][sent[i] :], len(got[i])
+                        yield "text", i, delta, [t for t, _ in new], [lp for _, lp in new]
+                    continue
+                _, i, task = event
+                c: Completion = task.result()
+                message, finish = await self._reply(call, c)
+                rest = streams[i].finish(message.get("content") or "")
+                yield (
+                    "end",
+                    i,
+                    c,
+                    message,
+                    finish,
+                    rest,
+                    c.token_ids[sent[i] :],
+                    c.logprobs[sent[i] :],
+                )
+        finally:
+            run.cancel()
+
     async def chat_completions(self, request: Request) -> Response:
         f = await self._body(request)
         messages = read_messages(f.get("messages"))
         tools = read_tools(f.get("tools"))
-        choice = read_tool_choice(f.get("tool_choice"))
+        choice = read_tool_choice(f.get("tool_choice"), tools)
         read_response_format(f.get("response_format"))
         s = sampling(f, ("max_completion_tokens", "max_tokens"), None)
         logprobs = f.boolean("logprobs")
@@ -199,35 +266,24 @@ class _Gateway:
             )
         stream = f.boolean("stream")
         include_usage = f.include_usage()
-        self._fits(sum(len(m.get("content") or "") for m in messages), "messages")
-        prompt = [int(t) for t in await self._off_loop(self.chat.prompt_ids, messages, tools)]
-        stop = s["stop"]
-        if tools and choice == "none" and TOOL_CALL_TAG not in stop:
-            stop = (*stop, TOOL_CALL_TAG)
-        gens = generations(prompt, s, self._room(prompt, "messages"), stop)
+        call = await self.prepare(messages, tools, choice, s)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if stream:
-            return streaming(
-                self._chat_stream(
-                    rid, created, messages, tools, gens, prompt, logprobs, include_usage
-                )
-            )
-        completions = await generate_all(self.backend, gens)
-        choices = []
-        for i, c in enumerate(completions):
-            message, finish = await self._off_loop(self.chat.reply, messages, tools, c)
-            choices.append(
-                {
-                    "index": i,
-                    "message": _assistant(message),
-                    "logprobs": (
-                        chat_logprobs(self.tokens, c.token_ids, c.logprobs) if logprobs else None
-                    ),
-                    "finish_reason": finish,
-                    "prompt_token_ids": list(c.prompt_ids),
-                    "token_ids": list(c.token_ids),
-                }
-            )
+            return streaming(self._chat_stream(rid, created, call, logprobs, include_usage))
+        replies = await self.replies(call)
+        choices = [
+            {
+                "index": i,
+                "message": _assistant(message),
+                "logprobs": (
+                    chat_logprobs(self.tokens, c.token_ids, c.logprobs) if logprobs else None
+                ),
+                "finish_reason": finish,
+                "prompt_token_ids": list(c.prompt_ids),
+                "token_ids": list(c.token_ids),
+            }
+            for i, (c, message, finish) in enumerate(replies)
+        ]
         return JSONResponse(
             {
                 "id": rid,
@@ -235,14 +291,11 @@ class _Gateway:
                 "created": created,
                 "model": self.name,
                 "choices": choices,
-                "usage": usage(len(prompt), sum(len(c.token_ids) for c in completions)),
+                "usage": usage(len(call.prompt), sum(len(c.token_ids) for c, _, _ in replies)),
             }
         )
 
-    async def _chat_stream(
-        self, rid, created, messages, tools, gens, prompt, logprobs, include_usage
-    ) -> AsyncIterator[str]:
-        n = len(gens)
+    async def _chat_stream(self, rid, created, call, logprobs, include_usage) -> AsyncIterator[str]:
         head = {
             "id": rid,
             "object": "chat.completion.chunk",
@@ -260,200 +313,28 @@ class _Gateway:
                 choice["token_ids"] = list(ids)
             return sse({**head, "choices": [{**choice, **extra}]})
 
-        tags = (TOOL_CALL_TAG,) if tools else ()
-        streams = [TextStream(self.tokens, g.stop, tags, strip=bool(tools)) for g in gens]
-        got: list[list[tuple[int, float]]] = [[] for _ in range(n)]  # tokens received
-        sent = [0] * n  # tokens sent (their ids and log-probs)
         used = 0
-        run = None
         try:
-            for i in range(n):
-                yield chunk(i, {"role": "assistant", "content": ""}, prompt_token_ids=prompt)
-            run = Run(self.backend, gens)
-            async for event in run.events():
-                if event[0] == "tokens":
-                    _, i, ids, lps = event
-                    got[i] += zip(ids, lps)
-                    delta = streams[i].add(ids)
-                    if delta:
-                        new = got[i][sent[i] :]
-                        sent[i] = len(got[i])
-                        yield chunk(
-                            i, {"content": delta}, [t for t, _ in new], [lp for _, lp in new]
-                        )
-                    continue
-                _, i, task = event
-                c: Completion = task.result()
-                message, finish = await self._off_loop(self.chat.reply, messages, tools, c)
-                delta = {}
-                rest = streams[i].finish(message.get("content") or "")
-                if rest:
-                    delta["content"] = rest
-                if message.get("tool_calls"):
-                    delta["tool_calls"] = [
-                        {"index": k, **call} for k, call in enumerate(message["tool_calls"])
-                    ]
-                used += len(c.token_ids)
-                yield chunk(i, delta, c.token_ids[sent[i] :], c.logprobs[sent[i] :], finish=finish)
+            for i in range(len(call.gens)):
+                yield chunk(i, {"role": "assistant", "content": ""}, prompt_token_ids=call.prompt)
+            async with contextlib.aclosing(self.events(call)) as events:
+                async for event in events:
+                    if event[0] == "text":
+                        _, i, text, ids, lps = event
+                        yield chunk(i, {"content": text}, ids, lps)
+                        continue
+                    _, i, c, message, finish, rest, ids, lps = event
+                    delta = {"content": rest} if rest else {}
+                    if message.get("tool_calls"):
+                        delta["tool_calls"] = [
+                            {"index": k, **tc} for k, tc in enumerate(message["tool_calls"])
+                        ]
+                    used += len(c.token_ids)
+                    yield chunk(i, delta, ids, lps, finish=finish)
             if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(len(prompt), used)})
+                yield sse({**head, "choices": [], "usage": usage(len(call.prompt), used)})
         except Exception as e:  # noqa: BLE001 -- the response has started: an error event
             yield stream_error(e, "a chat completion")
-        finally:
-            if run is not None:
-                run.cancel()
-        yield DONE
-
-    # ------------------------------------------------------------------ completions
-    def _prompts(self, value: Any) -> list[list[int]]:
-        def ids_of(p: Any, where: str) -> list[int] | None:
-            if isinstance(p, str):
-                self._fits(len(p), "prompt")
-                ids = self.tokens.encode(p)
-            elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
-                ids = p
-            else:
-                return None
-            if not ids:
-                raise bad(f"{where} must not be empty", "prompt")
-            for t in ids:
-                if isinstance(t, bool) or t < 0 or (self.tokens.vocab and t >= self.tokens.vocab):
-                    raise bad(f"{where} holds token id {t}, not in this vocabulary", "prompt")
-            return ids
-
-        single = ids_of(value, "prompt")
-        if single is not None:
-            return [single]
-        if isinstance(value, list) and value:
-            if len(value) > MAX_PROMPTS:
-                raise bad(f"prompt holds at most {MAX_PROMPTS} prompts, got {len(value)}", "prompt")
-            batch = [ids_of(p, f"prompt[{k}]") for k, p in enumerate(value)]
-            if all(ids is not None for ids in batch):
-                return batch
-        if value == "" or value == []:
-            raise bad("prompt must not be empty", "prompt")
-        raise bad(
-            "prompt must be a string, a list of token ids, or a list of strings or of token-id "
-            "lists",
-            "prompt",
-        )
-
-    async def completions(self, request: Request) -> Response:
-        f = await self._body(request)
-        prompts = await self._off_loop(self._prompts, f.get("prompt"))
-        s = sampling(f, ("max_tokens",), 16)
-        lp = f.integer("logprobs", None, 0, 5)
-        if lp is not None and lp > 1:
-            raise bad(
-                "logprobs > 1 is not supported: the engine computes only the log-prob of the "
-                "sampled token; send 0 or 1 (top_logprobs then holds the sampled token only)",
-                "logprobs",
-            )
-        if f.boolean("echo"):
-            raise bad(
-                "echo is not supported (no prompt log-probs): the prompt's token ids come back "
-                "in each choice's prompt_token_ids",
-                "echo",
-            )
-        if f.string("suffix"):
-            raise bad("suffix is not supported", "suffix")
-        if f.integer("best_of", s["n"], 1, MAX_N) != s["n"]:
-            raise bad("best_of is not supported: leave it out or send best_of = n", "best_of")
-        if len(prompts) * s["n"] > MAX_CHOICES:
-            raise bad(f"prompts x n is at most {MAX_CHOICES}, got {len(prompts)} x {s['n']}", "n")
-        stream = f.boolean("stream")
-        include_usage = f.include_usage()
-        gens = []
-        for k, prompt in enumerate(prompts):
-            where = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
-            gens += generations(prompt, s, self._room(prompt, where), s["stop"])
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        n_prompt = sum(len(p) for p in prompts)
-        if stream:
-            return streaming(
-                self._text_stream(rid, created, gens, lp is not None, include_usage, n_prompt)
-            )
-        completions = await generate_all(self.backend, gens)
-        choices = [
-            {
-                "index": i,
-                "text": c.text,
-                "logprobs": (
-                    text_logprobs(self.tokens, c.token_ids, c.logprobs, 0)[0]
-                    if lp is not None
-                    else None
-                ),
-                "finish_reason": c.finish_reason,
-                "prompt_token_ids": list(c.prompt_ids),
-                "token_ids": list(c.token_ids),
-            }
-            for i, c in enumerate(completions)
-        ]
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.name,
-                "choices": choices,
-                "usage": usage(n_prompt, sum(len(c.token_ids) for c in completions)),
-            }
-        )
-
-    async def _text_stream(
-        self, rid, created, gens, logprobs, include_usage, n_prompt
-    ) -> AsyncIterator[str]:
-        n = len(gens)
-        head = {"id": rid, "object": "text_completion", "created": created, "model": self.name}
-        if include_usage:
-            head["usage"] = None
-        offsets = [0] * n
-
-        def chunk(i, text, ids, lps, finish=None, **extra) -> str:
-            choice = {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
-            if logprobs:
-                choice["logprobs"], offsets[i] = text_logprobs(self.tokens, ids, lps, offsets[i])
-            return sse({**head, "choices": [{**choice, "token_ids": list(ids), **extra}]})
-
-        streams = [TextStream(self.tokens, g.stop) for g in gens]
-        got: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-        sent = [0] * n
-        first = [True] * n
-        used = 0
-        run = None
-        try:
-            run = Run(self.backend, gens)
-            async for event in run.events():
-                if event[0] == "tokens":
-                    _, i, ids, lps = event
-                    got[i] += zip(ids, lps)
-                    delta = streams[i].add(ids)
-                    if delta:
-                        new = got[i][sent[i] :]
-                        sent[i] = len(got[i])
-                        extra = {"prompt_token_ids": list(gens[i].prompt_ids)} if first[i] else {}
-                        first[i] = False
-                        yield chunk(i, delta, [t for t, _ in new], [x for _, x in new], **extra)
-                    continue
-                _, i, task = event
-                c: Completion = task.result()
-                used += len(c.token_ids)
-                extra = {"prompt_token_ids": list(c.prompt_ids)} if first[i] else {}
-                yield chunk(
-                    i,
-                    streams[i].finish(c.text),
-                    c.token_ids[sent[i] :],
-                    c.logprobs[sent[i] :],
-                    c.finish_reason,
-                    **extra,
-                )
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(n_prompt, used)})
-        except Exception as e:  # noqa: BLE001 -- the response has started: an error event
-            yield stream_error(e, "a completion")
-        finally:
-            if run is not None:
-                run.cancel()
         yield DONE
 
     # ------------------------------------------------------------------ models
@@ -532,7 +413,16 @@ def make_app(
     gw = _Gateway(backend, chat, served_name or str(backend.model), max_body_bytes)
     routes = [
         Route("/v1/chat/completions", _guarded(gw.chat_completions, api_key), methods=["POST"]),
-        Route("/v1/completions", _guarded(gw.completions, api_key), methods=["POST"]),
+        Route(
+            "/v1/responses",
+            _guarded(functools.partial(responses.create, gw), api_key),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/completions",
+            _guarded(functools.partial(completions.completions, gw), api_key),
+            methods=["POST"],
+        ),
         Route("/v1/models", _guarded(gw.models, api_key), methods=["GET"]),
         Route("/health", _guarded(gw.health), methods=["GET"]),
     ]

@@ -5,9 +5,11 @@
   POST /v1/chat/completions  chat messages -> `chat.prompt_ids` -> `backend.generate`, one
                              `Generation` per choice (`n`), each reply read by `chat.reply`
                              (content, and `tool_calls` where the text holds calls).
-  POST /v1/completions       a text prompt (tokenized without special tokens added) or token
-                             ids, continued as they are; a batch of prompts is supported
-                             (choice index = prompt index * n + j, as OpenAI numbers them).
+  POST /v1/responses         OpenAI's Responses API (the subset agents use), read into the
+                             chat request it is equivalent to (`gateway.responses`).
+  POST /v1/messages          Anthropic's Messages API, the same way (`gateway.messages`).
+  POST /v1/completions       a text prompt or token ids, continued as they are
+                             (`gateway.completions`).
   GET  /v1/models            the served model (`served_name`, default `backend.model`) with
                              `max_model_len` = `backend.max_context`.
   GET  /health               {} while the app is up.
@@ -34,9 +36,13 @@ known field with a wrong type or value is a 400 naming it.
 Not supported (a 400 saying so, rather than silently answering something else):
   - top log-probs (chat `top_logprobs` > 0, completions `logprobs` > 1): the engine computes
     only the log-prob of the token it sampled;
-  - `tool_choice` "required" or a named function (constrained decoding would sample from
-    another distribution than the policy's); "auto" and "none" are: with "none" the tools are
-    still in the prompt, as OpenAI renders them, and generation stops before a "<tool_call>" tag;
+  - nothing of `tool_choice` is: "auto"; "none" (the tools are still in the prompt, as OpenAI
+    renders them, and generation stops before a "<tool_call>" tag); "required" and a named
+    function force the start of a call: the reply's first tokens are given, "<tool_call>\n"
+    (and `{"name": "<name>", "arguments": ` for a named function, as the chat template writes
+    calls), the policy writes the rest. Given, not sampled, they end the prompt: the choice's
+    `prompt_token_ids` hold them, its `token_ids` (what training takes as the policy's tokens)
+    do not, and an agent's trajectory holds them as it holds a tool's output (loss mask 0);
   - `response_format` other than text, `logit_bias`, non-zero presence/frequency penalties
     (the engine samples from the policy's own distribution);
   - content parts other than text (images, audio, files), tools other than functions;

@@ -149,3 +149,31 @@ def test_bad_responses_requests_are_400s_naming_the_field(fields, param, says):
         assert e.value.body["param"] == param and says in e.value.message
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_the_agents_sdk_runs_on_the_responses_route(streamed):
+    """The OpenAI Agents SDK's default model, unchanged: a tool call, its output, the answer."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    app, backend, _ = make()
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return f"18 degrees in {city}"
+
+    async def main():
+        model = agents.OpenAIResponsesModel(model="m", openai_client=async_client(app))
+        bot = agents.Agent(name="w", instructions="be brief", tools=[get_weather], model=model)
+        question = "what is the weather in Paris?"
+        if not streamed:
+            return await agents.Runner.run(bot, question)
+        result = agents.Runner.run_streamed(bot, question)
+        kinds = [e.type async for e in result.stream_events()]
+        assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
+        return result
+
+    result = asyncio.run(main())
+    assert result.final_output == "It is 18°C in Paris ☀️."
+    assert "tool: 18 degrees in Paris" in dec(backend.gens[-1].prompt_ids)

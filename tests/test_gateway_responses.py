@@ -3,8 +3,10 @@
 events, and 400s naming the field."""
 
 import asyncio
+import contextlib
 import json
 
+import httpx
 import openai
 import pytest
 from test_gateway_app import TOOLS, async_client, dec, make, user
@@ -177,3 +179,133 @@ def test_the_agents_sdk_runs_on_the_responses_route(streamed):
     result = asyncio.run(main())
     assert result.final_output == "It is 18°C in Paris ☀️."
     assert "tool: 18 degrees in Paris" in dec(backend.gens[-1].prompt_ids)
+
+
+# ---------------------------------------------------------------------------- /v1/messages
+def anthropic_client(app):
+    anthropic = pytest.importorskip("anthropic")
+    for hx in (httpx, pytest.importorskip("httpx2")):  # newer SDKs take httpx2's client only
+        http = hx.AsyncClient(transport=hx.ASGITransport(app=app), base_url="http://gw")
+        with contextlib.suppress(TypeError):
+            return anthropic.AsyncAnthropic(
+                base_url="http://gw", api_key="x", http_client=http, max_retries=0
+            )
+    raise AssertionError("no HTTP client the anthropic SDK takes")
+
+
+ANTHROPIC_TOOLS = [
+    {
+        "name": t["function"]["name"],
+        "description": t["function"]["description"],
+        "input_schema": t["function"]["parameters"],
+    }
+    for t in TOOLS
+]
+
+
+def test_anthropic_messages_render_the_chat_requests_prompt():
+    app, backend, _ = make()
+
+    async def main():
+        client = anthropic_client(app)
+        r = await client.messages.create(
+            model="m", system="be brief", messages=user("hi"), max_tokens=50
+        )
+        assert r.type == "message" and r.stop_reason == "end_turn"
+        assert [b.text for b in r.content] == ["Hello! seed=None"]
+        as_message = list(backend.gens[-1].prompt_ids)
+        await client_chat(app, [{"role": "system", "content": "be brief"}, *user("hi")])
+        assert as_message == list(backend.gens[-1].prompt_ids) == r.model_extra["prompt_token_ids"]
+        assert r.usage.output_tokens == len(r.model_extra["token_ids"])
+
+        history = [{"role": "user", "content": "what is the weather in Paris?"}]
+        r = await client.messages.create(
+            model="m", messages=history, tools=ANTHROPIC_TOOLS, max_tokens=200
+        )
+        text, use = r.content
+        assert r.stop_reason == "tool_use" and text.text == "Let me check."
+        assert (
+            use.type == "tool_use" and use.name == "get_weather" and use.input == {"city": "Paris"}
+        )
+        history += [
+            {"role": "assistant", "content": [b.model_dump() for b in r.content]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18"}],
+            },
+        ]
+        streamed = client.messages.stream(
+            model="m", messages=history, tools=ANTHROPIC_TOOLS, max_tokens=200
+        )
+        async with streamed as stream:
+            deltas = [e.delta.text async for e in stream if e.type == "content_block_delta"]
+            final = await stream.get_final_message()
+        assert "".join(deltas) == final.content[0].text == "It is 18°C in Paris ☀️."
+        as_message = list(backend.gens[-1].prompt_ids)
+        chat = [
+            *user("what is the weather in Paris?"),
+            {
+                "role": "assistant",
+                "content": "Let me check.",
+                "tool_calls": [
+                    {
+                        "id": use.id,
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": json.dumps(use.input)},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": use.id, "content": "18"},
+        ]
+        await client_chat(app, chat, tools=TOOLS)
+        assert as_message == list(backend.gens[-1].prompt_ids)
+
+        # tool_choice any: a forced call, streamed as a tool_use block; a stop sequence
+        async with client.messages.stream(
+            model="m",
+            messages=user("hello"),
+            tools=ANTHROPIC_TOOLS,
+            tool_choice={"type": "any"},
+            max_tokens=200,
+        ) as stream:
+            final = await stream.get_final_message()
+        assert final.stop_reason == "tool_use" and final.content[0].input == {"city": "Paris"}
+        r = await client.messages.create(
+            model="m", messages=user("stops"), stop_sequences=["STOP"], max_tokens=50
+        )
+        assert (r.stop_reason, r.stop_sequence, r.content[0].text) == (
+            "stop_sequence",
+            "STOP",
+            "one two ",
+        )
+
+    asyncio.run(main())
+
+
+async def client_chat(app, messages, **kw):
+    return await async_client(app).chat.completions.create(model="m", messages=messages, **kw)
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"top_k": 5}, "top_k"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),
+        ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "x"}}, "tool_choice"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            "messages[0].content[0]",
+        ),
+        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0]"),
+    ],
+)
+def test_bad_anthropic_requests_are_400s_naming_the_field(fields, param):
+    app, _, _ = make()
+
+    async def main():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+        body = {"model": "m", "max_tokens": 5, "messages": user("hi"), **fields}
+        r = await http.post("/v1/messages", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+    asyncio.run(main())

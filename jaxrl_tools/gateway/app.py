@@ -78,6 +78,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jaxrl_tools.gateway import completions, responses
+from jaxrl_tools.gateway import messages as anthropic
 from jaxrl_tools.gateway.backend import Backend, BadRequest, Chat, ChatCall, Completion
 from jaxrl_tools.gateway.requests import (
     MAX_BODY_BYTES,
@@ -417,18 +418,15 @@ def make_app(
       api_key: the key the /v1 routes ask for (`Authorization: Bearer <key>`); None: any.
     """
     gw = _Gateway(backend, chat, served_name or str(backend.model), max_body_bytes)
+
+    def post(path, handler):
+        return Route(path, _guarded(functools.partial(handler, gw), api_key), methods=["POST"])
+
     routes = [
         Route("/v1/chat/completions", _guarded(gw.chat_completions, api_key), methods=["POST"]),
-        Route(
-            "/v1/responses",
-            _guarded(functools.partial(responses.create, gw), api_key),
-            methods=["POST"],
-        ),
-        Route(
-            "/v1/completions",
-            _guarded(functools.partial(completions.completions, gw), api_key),
-            methods=["POST"],
-        ),
+        post("/v1/responses", responses.create),
+        post("/v1/messages", anthropic.create),
+        post("/v1/completions", completions.completions),
         Route("/v1/models", _guarded(gw.models, api_key), methods=["GET"]),
         Route("/health", _guarded(gw.health), methods=["GET"]),
     ]

@@ -134,16 +134,16 @@ def read_choice(value: Any, tools: list[dict] | None) -> tuple[str, str | None]:
 
 
 # ---------------------------------------------------------------------------- the reply
-def _stop(gw, call: ChatCall, finish: str, c: Completion) -> tuple[str, str | None]:
-    """Anthropic's stop reason, and the stop sequence that ended the reply (its tokens are the
-    reply's last: the first one found in them)."""
+def _stop(gw, stops, finish: str, c: Completion) -> tuple[str, str | None]:
+    """Anthropic's stop reason, and which of the request's `stops` ended the reply (its tokens
+    are the reply's last: the first one found in them)."""
     if finish == "tool_calls":
         return "tool_use", None
     if finish == "length":
         return "max_tokens", None
-    if not c.ended_with_eos and call.gens[0].stop:
+    if not c.ended_with_eos and stops:
         written = gw.tokens.decode(c.token_ids)
-        found = [(written.find(s), s) for s in call.gens[0].stop if s in written]
+        found = [(written.find(s), s) for s in stops if s in written]
         if found:
             return "stop_sequence", min(found)[1]
     return "end_turn", None
@@ -199,13 +199,13 @@ async def create(gw, request: Request) -> Response:
     call = await gw.prepare(messages, tools, choice, s)
     mid = f"msg_{uuid.uuid4().hex}"
     if stream:
-        return streaming(_stream(gw, call, mid))
+        return streaming(_stream(gw, call, mid, s["stop"]))
     ((c, message, finish),) = await gw.replies(call)
-    stop = _stop(gw, call, finish, c)
+    stop = _stop(gw, s["stop"], finish, c)
     return JSONResponse(_message(gw, mid, _content(message), stop, c))
 
 
-async def _stream(gw, call: ChatCall, mid: str) -> AsyncIterator[str]:
+async def _stream(gw, call: ChatCall, mid: str, stops) -> AsyncIterator[str]:
     start = _message(gw, mid, [])
     start["usage"]["input_tokens"] = len(call.prompt)
     yield _event("message_start", message=start)
@@ -242,7 +242,7 @@ async def _stream(gw, call: ChatCall, mid: str) -> AsyncIterator[str]:
             delta = {"type": "input_json_delta", "partial_json": json.dumps(b["input"])}
             yield _event("content_block_delta", index=k, delta=delta)
             yield _event("content_block_stop", index=k)
-        reason, seq = _stop(gw, call, finish, c)
+        reason, seq = _stop(gw, stops, finish, c)
         delta = {"stop_reason": reason, "stop_sequence": seq}
         yield _event("message_delta", delta=delta, usage={"output_tokens": len(c.token_ids)})
         yield _event("message_stop")

@@ -386,6 +386,90 @@ def test_the_chat_continues_the_sampled_tokens_and_renders_anything_else(tok):
     assert whole[: len(prompt) + len(sampled)] != prompt + sampled
 
 
+class _Recorder:
+    """A backend that records each prompt and replies with a call, then (after its output)
+    with an answer: what the record of each request would hold."""
+
+    def __init__(self, tok):
+        self.tokenizer, self.model, self.max_context, self.prompts = tok, "p", 768, []
+
+    async def generate(self, gen, on_tokens=None):
+        self.prompts.append(list(gen.prompt_ids))
+        text = "5." if "<tool_response>" in self.tokenizer.decode(gen.prompt_ids) else CALL
+        ids = _enc(self.tokenizer, text + "<|im_end|>")
+        return Completion(list(gen.prompt_ids), ids, [0.0] * len(ids), text, "stop", True)
+
+
+def test_the_three_apis_give_the_same_prompts_and_continuations(tok):
+    """A tool round trip sent as chat completions, as a Responses input and as Anthropic
+    messages: the same prompt token ids on both turns, the second continuing the first's
+    sampled tokens (the record of each is the same)."""
+    import httpx
+
+    from jaxrl_tools.gateway.app import make_app
+
+    eos = [tok.convert_tokens_to_ids("<|im_end|>")]
+    tools = ToolExecutor([add]).schemas()
+    system, question = "You add.", "What is 2 + 3?"
+    flat = [{"type": "function", **t["function"]} for t in tools]
+    anthropic_tools = [
+        {"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
+        for f in (t["function"] for t in tools)
+    ]
+
+    async def round_trip(api):
+        backend = _Recorder(tok)
+        app = make_app(backend, TemplateChat(tok, get_parser("qwen"), eos_ids=eos))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw/v1") as http:
+            if api == "chat":
+                msgs = [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": question},
+                ]
+                r = (
+                    await http.post("/chat/completions", json={"messages": msgs, "tools": tools})
+                ).json()
+                msg = r["choices"][0]["message"]
+                msgs += [
+                    msg,
+                    {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "5"},
+                ]
+                await http.post("/chat/completions", json={"messages": msgs, "tools": tools})
+            elif api == "responses":
+                body = {"instructions": system, "input": question, "tools": flat}
+                r = (await http.post("/responses", json=body)).json()
+                (call,) = r["output"]
+                out = {"type": "function_call_output", "call_id": call["call_id"], "output": "5"}
+                body["input"] = [{"role": "user", "content": question}, call, out]
+                await http.post("/responses", json=body)
+            else:
+                msgs = [{"role": "user", "content": question}]
+                body = {
+                    "system": system,
+                    "messages": msgs,
+                    "tools": anthropic_tools,
+                    "max_tokens": 99,
+                }
+                r = (await http.post("/messages", json=body)).json()
+                use = r["content"][0]
+                result = {"type": "tool_result", "tool_use_id": use["id"], "content": "5"}
+                msgs += [
+                    {"role": "assistant", "content": r["content"]},
+                    {"role": "user", "content": [result]},
+                ]
+                await http.post("/messages", json=body)
+        return backend.prompts
+
+    chat, responses, messages = (
+        asyncio.run(round_trip(api)) for api in ("chat", "responses", "messages")
+    )
+    assert chat == responses == messages and len(chat) == 2
+    first, second = chat
+    sampled = _enc(tok, CALL + "<|im_end|>")
+    assert second[: len(first) + len(sampled)] == first + sampled  # continued, token-exact
+
+
 def test_concurrent_requests_decode_as_if_alone(tiny, tok):
     """Requests of different lengths, stops and seeds share the engine's slots (more requests
     than slots); each gets what it gets alone, its text cut before its stop string."""

@@ -14,13 +14,13 @@
                              `max_model_len` = `backend.max_context`.
   GET  /health               {} while the app is up.
 
-Both generating routes stream (`stream: true`) as server-sent events (`gateway.streaming`) of
+Chat and text completions stream (`stream: true`) as server-sent events (`gateway.streaming`) of
 `chat.completion.chunk` / `text_completion` objects ending with `data: [DONE]`, with a usage
 chunk (no choices) before it when `stream_options.include_usage` is set. Streamed text is held
 back where it could still change (see `gateway.streaming`). The last chunk of a choice carries
 the rest of its content, its `tool_calls` (each with its index, id, type, name and arguments,
 whole) and its finish reason, so the streamed content equals the content of the same request
-unstreamed.
+unstreamed. (Responses and messages stream their APIs' own events: see their modules.)
 
 Extension fields (the names vLLM and SGLang use): every choice carries `prompt_token_ids` (the
 context it continued) and `token_ids` (every token sampled, the end token and the tokens of a

@@ -62,13 +62,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import hmac
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from starlette.applications import Starlette
@@ -77,7 +75,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from jaxrl_tools.gateway import completions, responses
+from jaxrl_tools.gateway import chat_completions, completions, responses
 from jaxrl_tools.gateway import messages as anthropic
 from jaxrl_tools.gateway.backend import Backend, BadRequest, Chat, ChatCall, Completion
 from jaxrl_tools.gateway.requests import (
@@ -87,37 +85,18 @@ from jaxrl_tools.gateway.requests import (
     bad,
     call_opener,
     generations,
-    read_messages,
-    read_response_format,
-    read_tool_choice,
-    read_tools,
-    sampling,
     server_error,
 )
 from jaxrl_tools.gateway.streaming import (
-    DONE,
     Run,
     TextStream,
     Tokens,
-    chat_logprobs,
     generate_all,
-    sse,
-    stream_error,
-    streaming,
-    usage,
 )
 
 log = logging.getLogger(__name__)
 
 TOOL_CALL_TAG = "<tool_call>"  # Qwen/Hermes tool calls: the chat's parser reads these
-
-
-def _assistant(message: dict) -> dict:
-    out = {**message, "role": "assistant"}
-    out.setdefault("content", None)
-    if not out.get("tool_calls"):
-        out.pop("tool_calls", None)
-    return out
 
 
 def _max_prompt_chars(tokenizer, max_context: int) -> int | None:
@@ -257,93 +236,6 @@ class _Gateway:
         finally:
             run.cancel()
 
-    async def chat_completions(self, request: Request) -> Response:
-        f = await self._body(request)
-        messages = read_messages(f.get("messages"))
-        tools = read_tools(f.get("tools"))
-        choice = read_tool_choice(f.get("tool_choice"), tools)
-        read_response_format(f.get("response_format"))
-        s = sampling(f, ("max_completion_tokens", "max_tokens"), None)
-        logprobs = f.boolean("logprobs")
-        if f.integer("top_logprobs", 0, 0, 20):
-            raise bad(
-                "top_logprobs > 0 is not supported: the engine computes only the log-prob of "
-                "the sampled token; send logprobs: true without top_logprobs",
-                "top_logprobs",
-            )
-        stream = f.boolean("stream")
-        include_usage = f.include_usage()
-        call = await self.prepare(messages, tools, choice, s)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        if stream:
-            return streaming(self._chat_stream(rid, created, call, logprobs, include_usage))
-        replies = await self.replies(call)
-        choices = [
-            {
-                "index": i,
-                "message": _assistant(message),
-                "logprobs": (
-                    chat_logprobs(self.tokens, c.token_ids, c.logprobs) if logprobs else None
-                ),
-                "finish_reason": finish,
-                "prompt_token_ids": list(c.prompt_ids),
-                "token_ids": list(c.token_ids),
-            }
-            for i, (c, message, finish) in enumerate(replies)
-        ]
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": self.name,
-                "choices": choices,
-                "usage": usage(len(call.prompt), sum(len(c.token_ids) for c, _, _ in replies)),
-            }
-        )
-
-    async def _chat_stream(self, rid, created, call, logprobs, include_usage) -> AsyncIterator[str]:
-        head = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": self.name,
-        }
-        if include_usage:
-            head["usage"] = None
-
-        def chunk(i, delta, ids=None, lps=None, finish=None, **extra) -> str:
-            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
-            if logprobs and ids:
-                choice["logprobs"] = chat_logprobs(self.tokens, ids, lps)
-            if ids is not None:
-                choice["token_ids"] = list(ids)
-            return sse({**head, "choices": [{**choice, **extra}]})
-
-        used = 0
-        try:
-            for i in range(len(call.gens)):
-                yield chunk(i, {"role": "assistant", "content": ""}, prompt_token_ids=call.prompt)
-            async with contextlib.aclosing(self.events(call)) as events:
-                async for event in events:
-                    if event[0] == "text":
-                        _, i, text, ids, lps = event
-                        yield chunk(i, {"content": text}, ids, lps)
-                        continue
-                    _, i, c, message, finish, rest, ids, lps = event
-                    delta = {"content": rest} if rest else {}
-                    if message.get("tool_calls"):
-                        delta["tool_calls"] = [
-                            {"index": k, **tc} for k, tc in enumerate(message["tool_calls"])
-                        ]
-                    used += len(c.token_ids)
-                    yield chunk(i, delta, ids, lps, finish=finish)
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(len(call.prompt), used)})
-        except Exception as e:  # noqa: BLE001 -- the response has started: an error event
-            yield stream_error(e, "a chat completion")
-        yield DONE
-
     # ------------------------------------------------------------------ models
     async def models(self, request: Request) -> Response:
         return JSONResponse(
@@ -423,7 +315,7 @@ def make_app(
         return Route(path, _guarded(functools.partial(handler, gw), api_key), methods=["POST"])
 
     routes = [
-        Route("/v1/chat/completions", _guarded(gw.chat_completions, api_key), methods=["POST"]),
+        post("/v1/chat/completions", chat_completions.chat_completions),
         post("/v1/responses", responses.create),
         post("/v1/messages", anthropic.create),
         post("/v1/completions", completions.completions),

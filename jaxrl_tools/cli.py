@@ -380,8 +380,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--openai",
         action="store_true",
-        help="serve an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
-        "/v1/models) instead of gRPC; tool calls come back as tool_calls (the [agents] extra)",
+        help="serve an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/responses, "
+        "/v1/messages, /v1/completions, /v1/models) instead of gRPC; tool calls come back as "
+        "tool_calls (the [agents] extra)",
     )
     p = command("sft", "the SFT stage alone; writes a Hugging Face folder")
     p.add_argument("--out", required=True)

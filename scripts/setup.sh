@@ -2,8 +2,9 @@
 # Creates a venv ($VENV, default .venv) with the project installed.
 #   scripts/setup.sh         the core install the README's demo runs in: no torch, no TensorFlow.
 #   scripts/setup.sh --test  adds the test and serve extras (pytest, ruff, torch, JetStream), the
-#                            agents, mcp, trackers, openenv, verifiers and gguf extras (openai,
-#                            MCP, W&B, MLflow, OpenEnv, verifiers, gguf), and the compilers of
+#                            agents, agent-sdks, mcp, trackers, openenv, verifiers and gguf
+#                            extras (openai, the OpenAI Agents SDK, LangChain, smolagents, MCP,
+#                            W&B, MLflow, OpenEnv, verifiers, gguf), and the compilers of
 #                            `plan --accelerator` (aot-tpu: libtpu, +0.7 GB; aot-gpu: the jax
 #                            CUDA plugin and cuDNN, about +2 GB).
 # torch must be the local CPU build, installed before the test extra: `torch>=2.4` resolved by
@@ -21,7 +22,7 @@ fi
 "$VENV/bin/pip" install -q --upgrade pip
 if [ "${1:-}" = "--test" ]; then
   "$VENV/bin/pip" install -q torch==2.13.0
-  "$VENV/bin/pip" install -q -e '.[test,serve,aot-tpu,aot-gpu,agents,mcp,trackers,openenv,verifiers,gguf]'
+  "$VENV/bin/pip" install -q -e '.[test,serve,aot-tpu,aot-gpu,agents,agent-sdks,mcp,trackers,openenv,verifiers,gguf]'
 else
   "$VENV/bin/pip" install -q -e .
 fi

@@ -187,6 +187,89 @@ def test_an_agent_as_client_code_gives_the_built_in_loops_trajectories(tiny, tok
     assert metrics["agent/calls_per_run"] == 2.0 and metrics["agent/rewrites"] == 0.0
 
 
+async def forced_agent(client, record):
+    """A call forced with tool_choice "required", its output, then one forced by name."""
+    tools, messages = record["tool_schemas"], list(record["messages"])
+    for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+        r = await client.chat.completions.create(
+            model="p", messages=messages, tools=tools, tool_choice=choice, stop=["</tool_call>"]
+        )
+        msg = r.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "5"})
+    return 1.0
+
+
+def test_a_forced_call_opener_is_given_tokens_not_trained(tiny, tok):
+    """tool_choice's opener: the end of the prompt on the first request, the end of the
+    observation (loss mask 0) on the next; the policy's tokens are the rest of each call."""
+    args = '{"a": 2, "b": 3}}\n</tool_call>'
+    eng, params = _engine(tiny, tok, _enc(tok, '{"name": "add", "arguments": ' + args + args))
+    (t,) = _sampler(eng, tok, agent="test_agents:forced_agent", group=1)(RECORDS[:1], 1, params)
+    first, second = (
+        _enc(tok, "<tool_call>\n"),
+        _enc(tok, '<tool_call>\n{"name": "add", "arguments": '),
+    )
+    assert t.prompt_ids[-len(first) :] == first
+    kinds = [s.kind for s in t.spans]
+    assert kinds[:3] == ["model", "observation", "model"]
+    obs = t.spans[1]
+    assert t.response_ids[obs.end - len(second) : obs.end] == second
+    assert set(t.loss_mask[obs.start : obs.end]) == {0}
+    for sp in (t.spans[0], t.spans[2]):
+        assert set(t.loss_mask[sp.start : sp.end]) == {1}
+    assert tok.decode(t.response_ids[t.spans[2].start : t.spans[2].end]) == args
+    assert [c.name for c in t.tool_calls] == ["add", "add"] and t.agent_reward == 1.0
+    assert (
+        '{"name": "add", "arguments": {"a": 2, "b": 3}}' in t.model_text.split("<tool_response>")[1]
+    )
+
+
+CALC_CALL = '{"name": "calculate", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "sdk, module, forced, samples",
+    [
+        ("agents", "openai_agents", False, 1),
+        ("langchain_openai", "langchain_agent", False, 1),
+        ("smolagents", "smolagents_agent", True, 1),
+    ],
+)
+def test_an_sdk_agent_trains_through_the_gateway(tiny, tok, sdk, module, forced, samples):
+    """The shipped example agent of each SDK, on the policy: its episode, the calculator's
+    output in it, a training batch of it (the SDK's own requests, token-exact)."""
+    pytest.importorskip(sdk)
+    end = _enc(tok, "<|im_end|>")
+    if forced:  # smolagents forces every call (tool_choice "required"): its final answer
+        # (each of its steps is a new sample, the script's start again: one step only)
+        final = '{"name": "final_answer", "arguments": {"answer": "5"}}\n</tool_call>'
+        script = _enc(tok, final) + end
+    else:
+        script = _enc(tok, "<tool_call>\n" + CALC_CALL) + end + _enc(tok, "5") + end
+    eng, params = _engine(tiny, tok, script)
+    agent = f"jaxrl_tools.demo.agents.{module}:agent"
+    sampler = _sampler(eng, tok, agent=agent, group=1, max_samples=samples)
+    (t,) = sampler(RECORDS[:1], 1, params)
+    if forced:
+        assert tok.decode(t.prompt_ids).endswith("<tool_call>\n")  # given, not trained
+        assert [c.name for c in t.tool_calls] == ["final_answer"]
+    else:
+        assert "<tool_response>\n5\n</tool_response>" in tok.decode(t.token_ids)
+        assert [c.name for c in t.tool_calls] == ["calculate"]
+    batch = make_batch(
+        RECORDS[:1],
+        [t],
+        CompositeReward([("math", 1.0, {})]),
+        FiltersSection(),
+        group_size=1,
+        rows=1,
+        pad_id=0,
+        turn_rows=4 if samples > 1 else None,
+    )
+    assert batch.loss_mask_RT.sum() == sum(t.loss_mask) > 0
+
+
 def test_a_rewritten_history_is_another_sample_of_the_episode(tiny, tok):
     eng, params = _engine(tiny, tok, [-1] * 6 + _enc(tok, "<|im_end|>"))
     refuses = _sampler(eng, tok, agent="test_agents:forgetful_agent", protocol="none")
@@ -301,6 +384,90 @@ def test_the_chat_continues_the_sampled_tokens_and_renders_anything_else(tok):
     edited = {**echoed, "content": "OK"}
     whole = chat.prompt_ids([*messages, edited, {"role": "tool", "content": "5"}], tools)
     assert whole[: len(prompt) + len(sampled)] != prompt + sampled
+
+
+class _Recorder:
+    """A backend that records each prompt and replies with a call, then (after its output)
+    with an answer: what the record of each request would hold."""
+
+    def __init__(self, tok):
+        self.tokenizer, self.model, self.max_context, self.prompts = tok, "p", 768, []
+
+    async def generate(self, gen, on_tokens=None):
+        self.prompts.append(list(gen.prompt_ids))
+        text = "5." if "<tool_response>" in self.tokenizer.decode(gen.prompt_ids) else CALL
+        ids = _enc(self.tokenizer, text + "<|im_end|>")
+        return Completion(list(gen.prompt_ids), ids, [0.0] * len(ids), text, "stop", True)
+
+
+def test_the_three_apis_give_the_same_prompts_and_continuations(tok):
+    """A tool round trip sent as chat completions, as a Responses input and as Anthropic
+    messages: the same prompt token ids on both turns, the second continuing the first's
+    sampled tokens (the record of each is the same)."""
+    import httpx
+
+    from jaxrl_tools.gateway.app import make_app
+
+    eos = [tok.convert_tokens_to_ids("<|im_end|>")]
+    tools = ToolExecutor([add]).schemas()
+    system, question = "You add.", "What is 2 + 3?"
+    flat = [{"type": "function", **t["function"]} for t in tools]
+    anthropic_tools = [
+        {"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
+        for f in (t["function"] for t in tools)
+    ]
+
+    async def round_trip(api):
+        backend = _Recorder(tok)
+        app = make_app(backend, TemplateChat(tok, get_parser("qwen"), eos_ids=eos))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw/v1") as http:
+            if api == "chat":
+                msgs = [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": question},
+                ]
+                r = (
+                    await http.post("/chat/completions", json={"messages": msgs, "tools": tools})
+                ).json()
+                msg = r["choices"][0]["message"]
+                msgs += [
+                    msg,
+                    {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "5"},
+                ]
+                await http.post("/chat/completions", json={"messages": msgs, "tools": tools})
+            elif api == "responses":
+                body = {"instructions": system, "input": question, "tools": flat}
+                r = (await http.post("/responses", json=body)).json()
+                (call,) = r["output"]
+                out = {"type": "function_call_output", "call_id": call["call_id"], "output": "5"}
+                body["input"] = [{"role": "user", "content": question}, call, out]
+                await http.post("/responses", json=body)
+            else:
+                msgs = [{"role": "user", "content": question}]
+                body = {
+                    "system": system,
+                    "messages": msgs,
+                    "tools": anthropic_tools,
+                    "max_tokens": 99,
+                }
+                r = (await http.post("/messages", json=body)).json()
+                use = r["content"][0]
+                result = {"type": "tool_result", "tool_use_id": use["id"], "content": "5"}
+                msgs += [
+                    {"role": "assistant", "content": r["content"]},
+                    {"role": "user", "content": [result]},
+                ]
+                await http.post("/messages", json=body)
+        return backend.prompts
+
+    chat, responses, messages = (
+        asyncio.run(round_trip(api)) for api in ("chat", "responses", "messages")
+    )
+    assert chat == responses == messages and len(chat) == 2
+    first, second = chat
+    sampled = _enc(tok, CALL + "<|im_end|>")
+    assert second[: len(first) + len(sampled)] == first + sampled  # continued, token-exact
 
 
 def test_concurrent_requests_decode_as_if_alone(tiny, tok):

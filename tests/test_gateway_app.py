@@ -64,7 +64,12 @@ def dec(ids):
 
 def script(prompt: str, seed) -> str:
     """The fake policy's reply to a prompt (its last turn decides)."""
-    last = prompt.split("\n")[-3]  # the last message, before "assistant:\n"
+    body, _, forced = prompt.rpartition("\nassistant:\n")
+    if forced.endswith('"arguments": '):  # tool_choice named a function: its arguments
+        return '{"city": "Paris"}}\n</tool_call>'
+    if forced:  # tool_choice "required": a call
+        return '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    last = body.split("\n")[-1]  # the last message
     if last.startswith("tool:"):
         return "It is 18°C in Paris ☀️."
     if "weather" in last:
@@ -126,14 +131,14 @@ class FakeChat:
     def __init__(self):
         self.replies = 0
 
-    def prompt_ids(self, messages, tools):
+    def prompt_ids(self, messages, tools, opener=""):
         lines = ["TOOLS: " + json.dumps([t["function"]["name"] for t in tools])] if tools else []
         for m in messages:
             if m["content"] == "UNRENDERABLE":
                 raise BadRequest("the chat template cannot render this", "messages")
             calls = [c["function"]["name"] for c in m.get("tool_calls") or ()]
             lines.append(f"{m['role']}: {m['content']}" + (f" calls={calls}" if calls else ""))
-        return enc("\n".join(lines) + "\nassistant:\n")
+        return enc("\n".join(lines) + "\nassistant:\n") + enc(opener)
 
     def reply(self, messages, tools, completion):
         self.replies += 1
@@ -287,11 +292,53 @@ def test_tool_calls_round_trip():
         assert ch.message.tool_calls is None and ch.message.content == "Let me check.\n"
         assert backend.gens[-1].stop == ("<tool_call>",)
         assert dec(backend.gens[-1].prompt_ids).startswith("TOOLS:")
-        with pytest.raises(openai.BadRequestError) as e:
-            await client.chat.completions.create(
-                model="m", messages=history, tools=TOOLS, tool_choice="required"
+
+    asyncio.run(main())
+
+
+def test_tool_choice_forces_the_call_opener_as_prompt_tokens():
+    """ "required" and a named function: the reply starts with the call tag (and the named
+    function's name), given as the prompt's last tokens, not sampled: the choice's token_ids
+    (what training takes as the policy's) are what the policy wrote after them."""
+    app, backend, _ = make()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+
+    async def main():
+        client = async_client(app)
+        for choice, opener in [
+            ("required", "<tool_call>\n"),
+            (named, '<tool_call>\n{"name": "get_weather", "arguments": '),
+        ]:
+            r = await client.chat.completions.create(
+                model="m", messages=user("hello"), tools=TOOLS, tool_choice=choice
             )
-        assert e.value.body["param"] == "tool_choice" and "not supported" in e.value.message
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls" and ch.message.content is None
+            (call,) = ch.message.tool_calls
+            assert call.function.name == "get_weather"
+            assert json.loads(call.function.arguments) == {"city": "Paris"}
+            assert backend.gens[-1].opener == opener
+            prompt, ids = ch.model_extra["prompt_token_ids"], ch.model_extra["token_ids"]
+            assert dec(prompt).endswith("assistant:\n" + opener)
+            assert not dec(ids).startswith("<tool_call>")  # the opener is not the policy's
+            assert r.usage.completion_tokens == len(ids)
+            stream = await client.chat.completions.create(
+                model="m", messages=user("hello"), tools=TOOLS, tool_choice=choice, stream=True
+            )
+            out, _ = await collect_chat(stream)
+            assert out[0]["content"] == "" and out[0]["finish"] == "tool_calls"
+            assert out[0]["calls"][0]["name"] == "get_weather" and out[0]["ids"] == ids
+        for choice, tools, says in [
+            ("required", None, "no tools are declared"),
+            ({"type": "function", "function": {"name": "nope"}}, TOOLS, "not in tools"),
+            ({"type": "function"}, TOOLS, "tool_choice must be"),
+            ("sometimes", TOOLS, "tool_choice must be"),
+        ]:
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(
+                    model="m", messages=user("hello"), tools=tools, tool_choice=choice
+                )
+            assert e.value.body["param"] == "tool_choice" and says in e.value.message
 
     asyncio.run(main())
 
@@ -683,10 +730,10 @@ def test_prompts_tokenize_off_the_event_loop_and_one_past_the_context_is_refused
     app, backend, chat = make(max_context=400)
     rendered = []
 
-    def slow_prompt_ids(messages, tools):
+    def slow_prompt_ids(messages, tools, opener=""):
         rendered.append(messages)
         time.sleep(1.5)  # a tokenizer at work, holding the GIL or not
-        return FakeChat.prompt_ids(chat, messages, tools)
+        return FakeChat.prompt_ids(chat, messages, tools, opener)
 
     chat.prompt_ids = slow_prompt_ids
 

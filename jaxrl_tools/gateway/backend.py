@@ -32,6 +32,8 @@ class Generation:
       temperature, top_p: sampling (temperature 0: greedy).
       stop: strings that end the sequence (found in text; not returned in `Completion.text`).
       seed: the sequence's own RNG seed (None: the backend picks one).
+      opener: text the reply was made to start with (a forced tool call, `tool_choice`): its
+        tokens end `prompt_ids`, given, not sampled.
     """
 
     prompt_ids: tuple[int, ...]
@@ -40,6 +42,7 @@ class Generation:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    opener: str = ""
 
 
 @dataclasses.dataclass
@@ -82,11 +85,14 @@ class Backend(Protocol):
 class Chat(Protocol):
     """Chat messages to prompt ids, and completions back to assistant messages."""
 
-    def prompt_ids(self, messages: Sequence[dict], tools: Sequence[dict] | None) -> list[int]:
+    def prompt_ids(
+        self, messages: Sequence[dict], tools: Sequence[dict] | None, opener: str = ""
+    ) -> list[int]:
         """The prompt of a chat request: its messages (OpenAI format, as dicts) through the
-        chat template with `tools`, ending with the assistant generation prompt. An assistant
-        message this chat returned earlier keeps the exact tokens sampled for it. Raises
-        BadRequest naming the message that cannot be rendered."""
+        chat template with `tools`, ending with the assistant generation prompt and the tokens
+        of `opener` (the tokenizer's encoding of it alone: the start a tool_choice forces). An
+        assistant message this chat returned earlier keeps the exact tokens sampled for it.
+        Raises BadRequest naming the message that cannot be rendered."""
         ...
 
     def reply(
@@ -100,3 +106,31 @@ class Chat(Protocol):
         ("tool_calls" where it has calls, else the completion's). Remembers the message's exact
         tokens for later requests that send it back."""
         ...
+
+
+@dataclasses.dataclass
+class ChatCall:
+    """A chat request as every route reads it (chat completions, responses, messages): its
+    messages and tools (OpenAI chat format), prompt and generations (one per choice), and the
+    start of the reply its tool_choice forces (`opener`, its tokens `forced` ending `prompt`)."""
+
+    messages: list[dict]
+    tools: list[dict] | None
+    gens: list[Generation]
+    prompt: list[int]
+    opener: str = ""
+    forced: list[int] = dataclasses.field(default_factory=list)
+
+    def written(self, c: Completion) -> Completion:
+        """`c` as the chat reads it: the forced opener moved from the prompt to the front of
+        the reply (the tokens the reply's text and tool calls are read from)."""
+        n = len(self.forced)
+        if not n or list(c.prompt_ids[-n:]) != self.forced:
+            return c
+        return dataclasses.replace(
+            c,
+            prompt_ids=list(c.prompt_ids[:-n]),
+            token_ids=[*self.forced, *c.token_ids],
+            logprobs=[0.0] * n + list(c.logprobs),
+            text=self.opener + c.text,
+        )

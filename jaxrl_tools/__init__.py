@@ -15,14 +15,19 @@ The package is the pipeline; each subpackage is a stage:
 `models`, `sharding` and `tools` are the decoders, the device mesh and the tools.
 """
 
-from jaxrl_tools import rewards
-from jaxrl_tools.config import ConfigError, RunConfig
-from jaxrl_tools.config_loader import load_config
-from jaxrl_tools.eval import evaluate
-from jaxrl_tools.rollout import EngineCore, RolloutLimits, Sampler, SamplingParams, run_rollouts
-from jaxrl_tools.train.batch import make_batch
-from jaxrl_tools.train.rl import RLSetup, RLTrainer
-from jaxrl_tools.types import Batch, Span, ToolCallRecord, Trajectory
+from typing import TYPE_CHECKING
+
+from jaxrl_tools._lazy import lazy_api
+
+if TYPE_CHECKING:
+    from jaxrl_tools import rewards
+    from jaxrl_tools.config import ConfigError, RunConfig
+    from jaxrl_tools.config_loader import load_config
+    from jaxrl_tools.eval import evaluate
+    from jaxrl_tools.rollout import EngineCore, RolloutLimits, Sampler, SamplingParams, run_rollouts
+    from jaxrl_tools.train.batch import make_batch
+    from jaxrl_tools.train.rl import RLSetup, RLTrainer
+    from jaxrl_tools.types import Batch, Span, ToolCallRecord, Trajectory
 
 __all__ = [
     "Batch",
@@ -43,3 +48,5 @@ __all__ = [
     "rewards",
     "run_rollouts",
 ]
+
+__getattr__, __dir__ = lazy_api(__name__)

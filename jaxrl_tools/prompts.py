@@ -15,8 +15,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from jaxrl_tools.data import DataError
 
 # `rollout.template: plain`, for base models: the prompt in `rollout.plain_format`'s words, where
@@ -298,4 +296,7 @@ def load_tokenizer(path: str | os.PathLike):
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json in {path}")
+    # transformers (which imports torch where installed: seconds) only when a tokenizer loads
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
     return AutoTokenizer.from_pretrained(str(path))

@@ -6,41 +6,46 @@ Layers are stacked along a leading "layers" axis and scanned (`nn.scan`): compil
 with depth. All functions are pure; jit them with the (hashable) `ModelConfig` static.
 """
 
-from jaxrl_tools.models import attention, gguf_io, peft_io
-from jaxrl_tools.models.cache import CACHE_AXES, KVCache, cache_axes, cache_bytes, init_cache
-from jaxrl_tools.models.config import (
-    PARAM_DTYPES,
-    SUPPORTED_MODEL_TYPES,
-    DTypePolicy,
-    ModelConfig,
-    cast_floating,
-    load_config,
-    rope_inv_freq,
-)
-from jaxrl_tools.models.hf_io import KEY_TABLES, KeySpec, from_pretrained, save_pretrained
-from jaxrl_tools.models.lora import (
-    LORA_TARGETS,
-    LoraConfig,
-    LoraParams,
-    init_lora,
-    lora_logical_axes,
-    merge,
-    with_lora,
-)
-from jaxrl_tools.models.transformer import (
-    Decoder,
-    default_positions,
-    forward,
-    forward_cached,
-    has_stacked_layers,
-    hidden_states,
-    init_params,
-    logical_axes,
-    param_shapes,
-    unembed,
-    unstack_layers,
-    untie_head,
-)
+from typing import TYPE_CHECKING
+
+from jaxrl_tools._lazy import lazy_api
+
+if TYPE_CHECKING:
+    from jaxrl_tools.models import attention, gguf_io, peft_io
+    from jaxrl_tools.models.cache import CACHE_AXES, KVCache, cache_axes, cache_bytes, init_cache
+    from jaxrl_tools.models.config import (
+        PARAM_DTYPES,
+        SUPPORTED_MODEL_TYPES,
+        DTypePolicy,
+        ModelConfig,
+        cast_floating,
+        load_config,
+        rope_inv_freq,
+    )
+    from jaxrl_tools.models.hf_io import KEY_TABLES, KeySpec, from_pretrained, save_pretrained
+    from jaxrl_tools.models.lora import (
+        LORA_TARGETS,
+        LoraConfig,
+        LoraParams,
+        init_lora,
+        lora_logical_axes,
+        merge,
+        with_lora,
+    )
+    from jaxrl_tools.models.transformer import (
+        Decoder,
+        default_positions,
+        forward,
+        forward_cached,
+        has_stacked_layers,
+        hidden_states,
+        init_params,
+        logical_axes,
+        param_shapes,
+        unembed,
+        unstack_layers,
+        untie_head,
+    )
 
 __all__ = [
     "CACHE_AXES",
@@ -82,3 +87,5 @@ __all__ = [
     "untie_head",
     "with_lora",
 ]
+
+__getattr__, __dir__ = lazy_api(__name__)

@@ -31,6 +31,11 @@ from jaxrl_tools.sharding import sharded_init
 
 Params = dict[str, Any]
 
+# What the engine decodes with (`model.lora.decode`): base + scale * A @ B merged once per update
+# (dense decoding, one more copy of the adapted kernels), or the base with the adapters applied
+# per token (no copy).
+DECODE_MODES = ("merged", "adapters")
+
 # name -> (path of the base kernel under params, logical input axes, logical output axes).
 # The names are the HF module names (PEFT's `target_modules`).
 LORA_TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {

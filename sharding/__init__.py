@@ -5,24 +5,29 @@ Parameters and activations are annotated with logical axis names (`batch`, `leng
 axes (`data`, `fsdp`, `tensor`).
 """
 
-from jaxrl_tools.sharding.distributed import (
-    agree,
-    initialize_distributed,
-    is_main_process,
-    is_multiprocess,
-)
-from jaxrl_tools.sharding.mesh import MESH_AXES, make_mesh, parse_mesh_shape
-from jaxrl_tools.sharding.rules import (
-    DEFAULT_RULES,
-    LOGICAL_AXES,
-    constrain,
-    current_mesh,
-    logical_to_spec,
-    put_sharded,
-    sharded_init,
-    tree_shardings,
-    use_mesh,
-)
+from typing import TYPE_CHECKING
+
+from jaxrl_tools._lazy import lazy_api
+
+if TYPE_CHECKING:
+    from jaxrl_tools.sharding.distributed import (
+        agree,
+        initialize_distributed,
+        is_main_process,
+        is_multiprocess,
+    )
+    from jaxrl_tools.sharding.mesh import MESH_AXES, make_mesh, parse_mesh_shape
+    from jaxrl_tools.sharding.rules import (
+        DEFAULT_RULES,
+        LOGICAL_AXES,
+        constrain,
+        current_mesh,
+        logical_to_spec,
+        put_sharded,
+        sharded_init,
+        tree_shardings,
+        use_mesh,
+    )
 
 __all__ = [
     "DEFAULT_RULES",
@@ -42,3 +47,5 @@ __all__ = [
     "tree_shardings",
     "use_mesh",
 ]
+
+__getattr__, __dir__ = lazy_api(__name__)

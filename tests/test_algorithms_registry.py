@@ -75,6 +75,7 @@ def test_requires_must_be_field_names():
 
 
 def test_custom_estimator_requirements_enforced(monkeypatch):
+    registry.load_estimators()  # the shipped ones, registered before the registry is copied
     monkeypatch.setattr(registry, "_ADVANTAGE_ESTIMATORS", dict(registry._ADVANTAGE_ESTIMATORS))
     monkeypatch.setattr(registry, "_REQUIREMENTS", dict(registry._REQUIREMENTS))
 

@@ -13,44 +13,57 @@ Public API (see each module's docstring):
   McpServer ("mcp": a server's tools, one McpTool each)     (mcp; needs the `mcp` extra)
 """
 
-from jaxrl_tools.tools.base import (
-    TOOL_REGISTRY,
-    Observation,
-    Tool,
-    create_tool,
-    last_traceback_line,
-    load_tools_yaml,
-    register_tool,
-    tool_class,
-    truncate_middle,
-)
-from jaxrl_tools.tools.browse import BrowseTool, LocalPages, SearchHit, WebBackend, WebSearchTool
-from jaxrl_tools.tools.calculator import CalculatorError, CalculatorTool, safe_eval
-from jaxrl_tools.tools.executor import ToolExecutor, validate_arguments
-from jaxrl_tools.tools.functions import FunctionTool, function_tool
-from jaxrl_tools.tools.mcp import McpServer, McpTool
-from jaxrl_tools.tools.parsers import (
-    PARSERS,
-    Parser,
-    ParseResult,
-    QwenParser,
-    ReToolParser,
-    SearchR1Parser,
-    ToolCall,
-    ToRLParser,
-    get_parser,
-    read_tool_calls,
-)
-from jaxrl_tools.tools.pool import (
-    ExecResult,
-    SandboxPool,
-    make_http_server,
-    run_code,
-    run_code_sync,
-)
-from jaxrl_tools.tools.python_tool import PythonTool
-from jaxrl_tools.tools.sandbox import SandboxConfig, SandboxUnavailableError, check_isolation
-from jaxrl_tools.tools.search import BM25Index, SearchTool, format_passages
+from typing import TYPE_CHECKING
+
+from jaxrl_tools._lazy import lazy_api
+
+if TYPE_CHECKING:
+    from jaxrl_tools.tools.base import (
+        TOOL_REGISTRY,
+        Observation,
+        Tool,
+        create_tool,
+        last_traceback_line,
+        load_tools,
+        load_tools_yaml,
+        register_tool,
+        tool_class,
+        truncate_middle,
+    )
+    from jaxrl_tools.tools.browse import (
+        BrowseTool,
+        LocalPages,
+        SearchHit,
+        WebBackend,
+        WebSearchTool,
+    )
+    from jaxrl_tools.tools.calculator import CalculatorError, CalculatorTool, safe_eval
+    from jaxrl_tools.tools.executor import ToolExecutor, validate_arguments
+    from jaxrl_tools.tools.functions import FunctionTool, function_tool
+    from jaxrl_tools.tools.mcp import McpServer, McpTool
+    from jaxrl_tools.tools.parsers import (
+        PARSERS,
+        Parser,
+        ParseResult,
+        QwenParser,
+        ReToolParser,
+        SearchR1Parser,
+        ToolCall,
+        ToRLParser,
+        declares_tools,
+        get_parser,
+        read_tool_calls,
+    )
+    from jaxrl_tools.tools.pool import (
+        ExecResult,
+        SandboxPool,
+        make_http_server,
+        run_code,
+        run_code_sync,
+    )
+    from jaxrl_tools.tools.python_tool import PythonTool
+    from jaxrl_tools.tools.sandbox import SandboxConfig, SandboxUnavailableError, check_isolation
+    from jaxrl_tools.tools.search import BM25Index, SearchTool, format_passages
 
 __all__ = [
     "PARSERS",
@@ -88,7 +101,9 @@ __all__ = [
     "SearchHit",
     "get_parser",
     "last_traceback_line",
+    "load_tools",
     "load_tools_yaml",
+    "declares_tools",
     "make_http_server",
     "register_tool",
     "tool_class",
@@ -99,3 +114,11 @@ __all__ = [
     "truncate_middle",
     "validate_arguments",
 ]
+
+_lazy_getattr, __dir__ = lazy_api(__name__)
+
+
+def __getattr__(name: str) -> object:
+    if name == "TOOL_REGISTRY":  # read through the package: holding every shipped tool
+        _lazy_getattr("load_tools")()
+    return _lazy_getattr(name)

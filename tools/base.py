@@ -273,6 +273,19 @@ class Tool:
 
 
 TOOL_REGISTRY: dict[str, type[Tool]] = {}
+# The modules of the shipped tools: every lookup (and `jaxrl_tools.tools.TOOL_REGISTRY`) imports
+# them first.
+TOOL_MODULES = ("browse", "calculator", "functions", "mcp", "python_tool", "search")
+_loaded = False
+
+
+def load_tools() -> None:
+    """Imports the shipped tool modules (`TOOL_MODULES`), registering their classes."""
+    global _loaded
+    if not _loaded:
+        for module in TOOL_MODULES:
+            importlib.import_module(f"jaxrl_tools.tools.{module}")
+        _loaded = True
 
 
 def register_tool(name: str):
@@ -289,6 +302,7 @@ def register_tool(name: str):
 
 def tool_class(class_name: str) -> type[Tool]:
     """The Tool subclass registered as `class_name`, or at a dotted path ("pkg.mod.Class")."""
+    load_tools()
     if class_name in TOOL_REGISTRY:
         cls = TOOL_REGISTRY[class_name]
     elif "." in class_name:

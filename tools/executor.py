@@ -16,6 +16,11 @@ from jaxrl_tools.tools.base import (
 )
 from jaxrl_tools.tools.parsers import ToolCall
 
+# A call past the tool budget (`rollout.over_budget`, carried out by `rollout.resolver`): the
+# notice's text as its observation, ignored, or the episode ended.
+BUDGET_NOTICE = "tool budget exhausted, answer directly"
+OVER_BUDGET = ("notice", "ignore", "end")
+
 _TYPES = {
     "string": (str,),
     "integer": (int,),

@@ -234,3 +234,9 @@ def get_parser(protocol: str, **kwargs) -> Parser:
             f"unknown tool-call protocol {protocol!r}; valid: {sorted(PARSERS)}"
         ) from None
     return cls(**kwargs)
+
+
+def declares_tools(protocol: str) -> bool:
+    """Whether `protocol` declares its tools in the chat template's system turn (function
+    calling); inline protocols (ToRL, ReTool, Search-R1) describe them in the prompt."""
+    return protocol != "none" and bool(getattr(get_parser(protocol), "chat_role", None))

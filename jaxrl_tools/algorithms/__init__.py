@@ -25,72 +25,71 @@ Valid names of each configurable choice, owned by the module that implements it:
   loss aggregation      LOSS_AGG_MODES
   policy losses         POLICY_LOSSES
 
-Estimator modules (imported here so that their estimators are registered): ``outcome`` (grpo,
-drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, remax), ``critic`` (gae, vapo), ``gigpo``,
-``turns`` (kevin).
+Estimator modules (imported by the registry's lookups, so that their estimators are registered
+before any is looked up): ``outcome`` (grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline,
+remax), ``critic`` (gae, vapo), ``gigpo``, ``turns`` (kevin). Names are imported on first use.
 """
 
-from jaxrl_tools.algorithms import (  # noqa: F401  (register estimators)
-    critic,
-    gigpo,
-    outcome,
-    turns,
-)
-from jaxrl_tools.algorithms.advantages import (
-    AdvantageConfig,
-    AdvantageInputs,
-    compute_advantages,
-    contiguous_groups,
-    discounted_returns,
-    last_token_onehot,
-)
-from jaxrl_tools.algorithms.aggregation import (
-    LOSS_AGG_MODES,
-    LossTerms,
-    aggregate,
-    loss_denominator,
-    verl_loss_denominator,
-)
-from jaxrl_tools.algorithms.critic import gae_advantages, gae_step
-from jaxrl_tools.algorithms.filters import (
-    accuracy_band_filter,
-    dynamic_sampling_filter,
-    starpo_s_filter,
-)
-from jaxrl_tools.algorithms.kl import KL_TYPES, apply_kl_penalty, kl_penalty
-from jaxrl_tools.algorithms.logprobs import (
-    chunked_token_logprobs,
-    chunked_token_logprobs_and_entropy,
-    target_logprobs,
-    token_entropy,
-)
-from jaxrl_tools.algorithms.losses import (
-    entropy_loss,
-    kl_loss,
-    log_ratio,
-    ppo_clip_loss,
-    value_loss,
-)
-from jaxrl_tools.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from jaxrl_tools.algorithms.objective import (
-    POLICY_LOSSES,
-    PolicyLossConfig,
-    policy_loss,
-    policy_loss_dual_clip,
-    policy_loss_ratio_type,
-)
-from jaxrl_tools.algorithms.off_policy import OffPolicyConfig, decoupled, off_policy_weights
-from jaxrl_tools.algorithms.registry import (
-    estimator_inputs,
-    estimator_requirements,
-    get_advantage_estimator,
-    list_advantage_estimators,
-    list_critic_estimators,
-    needs_critic,
-    register_advantage_estimator,
-    turn_level,
-    uses_group_baseline,
-)
+from typing import TYPE_CHECKING
+
+from jaxrl_tools._lazy import lazy_api
+
+if TYPE_CHECKING:
+    from jaxrl_tools.algorithms.advantages import (
+        AdvantageConfig,
+        AdvantageInputs,
+        compute_advantages,
+        contiguous_groups,
+        discounted_returns,
+        last_token_onehot,
+    )
+    from jaxrl_tools.algorithms.aggregation import (
+        LOSS_AGG_MODES,
+        LossTerms,
+        aggregate,
+        loss_denominator,
+        verl_loss_denominator,
+    )
+    from jaxrl_tools.algorithms.critic import gae_advantages, gae_step
+    from jaxrl_tools.algorithms.filters import (
+        accuracy_band_filter,
+        dynamic_sampling_filter,
+        starpo_s_filter,
+    )
+    from jaxrl_tools.algorithms.kl import KL_TYPES, apply_kl_penalty, kl_penalty
+    from jaxrl_tools.algorithms.logprobs import (
+        chunked_token_logprobs,
+        chunked_token_logprobs_and_entropy,
+        target_logprobs,
+        token_entropy,
+    )
+    from jaxrl_tools.algorithms.losses import (
+        entropy_loss,
+        kl_loss,
+        log_ratio,
+        ppo_clip_loss,
+        value_loss,
+    )
+    from jaxrl_tools.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+    from jaxrl_tools.algorithms.objective import (
+        POLICY_LOSSES,
+        PolicyLossConfig,
+        policy_loss,
+        policy_loss_dual_clip,
+        policy_loss_ratio_type,
+    )
+    from jaxrl_tools.algorithms.off_policy import OffPolicyConfig, decoupled, off_policy_weights
+    from jaxrl_tools.algorithms.registry import (
+        estimator_inputs,
+        estimator_requirements,
+        get_advantage_estimator,
+        list_advantage_estimators,
+        list_critic_estimators,
+        needs_critic,
+        register_advantage_estimator,
+        turn_level,
+        uses_group_baseline,
+    )
 
 __all__ = [
     "KL_TYPES",
@@ -143,3 +142,5 @@ __all__ = [
     "value_loss",
     "verl_loss_denominator",
 ]
+
+__getattr__, __dir__ = lazy_api(__name__)

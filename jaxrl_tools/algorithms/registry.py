@@ -6,9 +6,15 @@ Each estimator declares the ``AdvantageInputs`` fields it needs beyond ``loss_ma
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 
 CRITIC_FIELD = "values_BT"
+
+# The modules whose estimators are shipped: every lookup imports them first, so a registry read
+# through any module (not only the package) holds them all.
+ESTIMATOR_MODULES = ("outcome", "critic", "gigpo", "turns")
+_loaded = False
 
 _ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
 _REQUIREMENTS: dict[str, tuple[str, ...]] = {}
@@ -59,8 +65,18 @@ def register_advantage_estimator(
     return deco
 
 
+def load_estimators() -> None:
+    """Imports the shipped estimator modules (`ESTIMATOR_MODULES`), registering their estimators."""
+    global _loaded
+    if not _loaded:
+        for module in ESTIMATOR_MODULES:
+            importlib.import_module(f"jaxrl_tools.algorithms.{module}")
+        _loaded = True
+
+
 def get_advantage_estimator(name: str) -> Callable:
     """The estimator registered as ``name``; unknown names raise ValueError listing valid ones."""
+    load_estimators()
     try:
         return _ADVANTAGE_ESTIMATORS[name]
     except KeyError:
@@ -72,6 +88,7 @@ def get_advantage_estimator(name: str) -> Callable:
 
 def list_advantage_estimators() -> list[str]:
     """Sorted registered names."""
+    load_estimators()
     return sorted(_ADVANTAGE_ESTIMATORS)
 
 
@@ -99,6 +116,7 @@ def needs_critic(name: str) -> bool:
 
 def list_critic_estimators() -> list[str]:
     """Sorted names of the registered estimators that need a critic."""
+    load_estimators()
     return sorted(n for n, req in _REQUIREMENTS.items() if CRITIC_FIELD in req)
 
 

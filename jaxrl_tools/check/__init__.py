@@ -14,27 +14,32 @@ folder, and a failed check leaves nothing behind. What a run reads comes from it
 checks call them and word their errors, and the run never imports this package to load data.
 """
 
-from jaxrl_tools.check.inputs import (
-    check_data,
-    check_model,
-    check_positions,
-    check_prompt_lengths,
-    check_sft,
-    check_tokenizer,
-    read_split,
-    tiny_model_config,
-)
-from jaxrl_tools.check.preflight import format_summary, preflight, preflight_eval, preflight_sft
-from jaxrl_tools.check.setup import (
-    build_tools,
-    check_batch,
-    check_mesh,
-    check_new_output,
-    check_rewards,
-    check_tools,
-    check_writable,
-    tools_schema,
-)
+from typing import TYPE_CHECKING
+
+from jaxrl_tools._lazy import lazy_api
+
+if TYPE_CHECKING:
+    from jaxrl_tools.check.inputs import (
+        check_data,
+        check_model,
+        check_positions,
+        check_prompt_lengths,
+        check_sft,
+        check_tokenizer,
+        read_split,
+        tiny_model_config,
+    )
+    from jaxrl_tools.check.preflight import format_summary, preflight, preflight_eval, preflight_sft
+    from jaxrl_tools.check.setup import (
+        build_tools,
+        check_batch,
+        check_mesh,
+        check_new_output,
+        check_rewards,
+        check_tools,
+        check_writable,
+        tools_schema,
+    )
 
 __all__ = [
     "build_tools",
@@ -58,3 +63,5 @@ __all__ = [
     "tiny_model_config",
     "tools_schema",
 ]
+
+__getattr__, __dir__ = lazy_api(__name__)

@@ -10,26 +10,37 @@ Modules: `checks` (ConfigError), `model` (model, tokenizer, data), `rollout` (ro
 env), `training` (algorithm, reward, optim, critic, trainer, sft), `run` (RunConfig).
 """
 
-from jaxrl_tools.config.checks import ConfigError
-from jaxrl_tools.config.model import (
-    TASKS,
-    DataSection,
-    LoraSection,
-    ModelSection,
-    TinyModelConfig,
-    TokenizerSection,
-)
-from jaxrl_tools.config.rollout import ENV_HISTORY, PROTOCOLS, EnvSection, RolloutSection, ToolSpec
-from jaxrl_tools.config.run import ADVANTAGE_INPUT_SOURCES, STEP_INPUTS, RunConfig
-from jaxrl_tools.config.training import (
-    AlgorithmSection,
-    CriticSection,
-    FiltersSection,
-    OptimSection,
-    RewardSpec,
-    SFTSection,
-    TrainerSection,
-)
+from typing import TYPE_CHECKING
+
+from jaxrl_tools._lazy import lazy_api
+
+if TYPE_CHECKING:
+    from jaxrl_tools.config.checks import ConfigError
+    from jaxrl_tools.config.model import (
+        TASKS,
+        DataSection,
+        LoraSection,
+        ModelSection,
+        TinyModelConfig,
+        TokenizerSection,
+    )
+    from jaxrl_tools.config.rollout import (
+        ENV_HISTORY,
+        PROTOCOLS,
+        EnvSection,
+        RolloutSection,
+        ToolSpec,
+    )
+    from jaxrl_tools.config.run import ADVANTAGE_INPUT_SOURCES, STEP_INPUTS, RunConfig
+    from jaxrl_tools.config.training import (
+        AlgorithmSection,
+        CriticSection,
+        FiltersSection,
+        OptimSection,
+        RewardSpec,
+        SFTSection,
+        TrainerSection,
+    )
 
 __all__ = [
     "ADVANTAGE_INPUT_SOURCES",
@@ -55,3 +66,5 @@ __all__ = [
     "ToolSpec",
     "TrainerSection",
 ]
+
+__getattr__, __dir__ = lazy_api(__name__)

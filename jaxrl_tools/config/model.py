@@ -7,7 +7,7 @@ from typing import Any
 
 from jaxrl_tools import models
 from jaxrl_tools.config.checks import _at_least, _check, _check_choice
-from jaxrl_tools.train.lora import DECODE_MODES as LORA_DECODE_MODES
+from jaxrl_tools.models.lora import DECODE_MODES as LORA_DECODE_MODES
 
 TASKS = ("tool_arithmetic", "function_calling", "when_to_call")  # generated data (`data.task`)
 CURRICULA = ("easy_to_hard",)  # orders of the training prompts (`data.curriculum`)

@@ -11,9 +11,8 @@ from typing import Any
 from jaxrl_tools import envs, tools
 from jaxrl_tools.config.checks import ConfigError, _at_least, _check, _check_choice
 from jaxrl_tools.prompts import PLAIN_FORMAT
-from jaxrl_tools.rollout.resolver import BUDGET_NOTICE, OVER_BUDGET
-from jaxrl_tools.rollout.sampler import ENGINES as ROLLOUT_ENGINES
-from jaxrl_tools.rollout.sampler import declares_tools
+from jaxrl_tools.tools.executor import BUDGET_NOTICE, OVER_BUDGET
+from jaxrl_tools.tools.parsers import declares_tools
 
 PROTOCOLS = (*sorted(tools.PARSERS), "none")
 TEMPLATES = ("chat", "plain")
@@ -83,7 +82,10 @@ class RolloutSection:
 
     def __post_init__(self):
         _check_choice(self.protocol, "rollout.protocol", PROTOCOLS)
-        _check_choice(self.engine, "rollout.engine", tuple(ROLLOUT_ENGINES))
+        # the engines are the sampler's (an arrow up to rollout, taken only when validating)
+        from jaxrl_tools.rollout.sampler import ENGINES  # noqa: PLC0415
+
+        _check_choice(self.engine, "rollout.engine", tuple(ENGINES))
         _check_choice(self.template, "rollout.template", TEMPLATES)
         _check(
             self.template == "chat" or not declares_tools(self.protocol),

@@ -2,22 +2,27 @@
 Kevin-style refinement of a function against hidden tests in the sandbox, and gymnasium and
 OpenEnv environments of the user's (`external.py`)."""
 
-from jaxrl_tools.envs.base import (
-    Env,
-    GridEnv,
-    RagenTurns,
-    StepResult,
-    env_class,
-    env_names,
-    make_env,
-    parse_turn,
-    register_env,
-)
-from jaxrl_tools.envs.episodes import EVAL_SEED_OFFSET, Episodes, env_kwargs, needs_sandbox
-from jaxrl_tools.envs.external import GymnasiumText, OpenEnv
-from jaxrl_tools.envs.frozenlake import FrozenLake
-from jaxrl_tools.envs.refine import Refine
-from jaxrl_tools.envs.sokoban import Sokoban
+from typing import TYPE_CHECKING
+
+from jaxrl_tools._lazy import lazy_api
+
+if TYPE_CHECKING:
+    from jaxrl_tools.envs.base import (
+        Env,
+        GridEnv,
+        RagenTurns,
+        StepResult,
+        env_class,
+        env_names,
+        make_env,
+        parse_turn,
+        register_env,
+    )
+    from jaxrl_tools.envs.episodes import EVAL_SEED_OFFSET, Episodes, env_kwargs, needs_sandbox
+    from jaxrl_tools.envs.external import GymnasiumText, OpenEnv
+    from jaxrl_tools.envs.frozenlake import FrozenLake
+    from jaxrl_tools.envs.refine import Refine
+    from jaxrl_tools.envs.sokoban import Sokoban
 
 __all__ = [
     "EVAL_SEED_OFFSET",
@@ -39,3 +44,5 @@ __all__ = [
     "parse_turn",
     "register_env",
 ]
+
+__getattr__, __dir__ = lazy_api(__name__)

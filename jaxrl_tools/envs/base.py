@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import importlib
 import re
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
@@ -68,6 +69,18 @@ class GridEnv(Env):
 
 
 _ENVS: dict[str, type[Env]] = {}
+# The modules of the shipped environments: every lookup imports them first.
+ENV_MODULES = ("external", "frozenlake", "refine", "sokoban")
+_loaded = False
+
+
+def load_envs() -> None:
+    """Imports the shipped environment modules (`ENV_MODULES`), registering their classes."""
+    global _loaded
+    if not _loaded:
+        for module in ENV_MODULES:
+            importlib.import_module(f"jaxrl_tools.envs.{module}")
+        _loaded = True
 
 
 def register_env(name: str) -> Callable[[type[Env]], type[Env]]:
@@ -82,11 +95,13 @@ def register_env(name: str) -> Callable[[type[Env]], type[Env]]:
 
 
 def env_names() -> tuple[str, ...]:
+    load_envs()
     return tuple(sorted(_ENVS))
 
 
 def env_class(name: str) -> type[Env]:
     """The class registered as `name` (unknown: a ValueError listing the registered ones)."""
+    load_envs()
     if name not in _ENVS:
         raise ValueError(f"unknown environment {name!r}; known: {env_names()}")
     return _ENVS[name]

@@ -14,32 +14,37 @@
 "Reproducing a run across frameworks").
 """
 
-from jaxrl_tools.interop.batch import (
-    FIELDS,
-    REQUIRED,
-    batch_from_trajectories,
-    check_batch,
-    load_batch,
-    packed,
-    save_batch,
-)
-from jaxrl_tools.interop.compare import (
-    BF16,
-    FP32,
-    Stage,
-    Tolerances,
-    compare_updates,
-    compare_with_batch,
-    format_grad_table,
-    grad_differences,
-)
-from jaxrl_tools.interop.update import (
-    REFERENCE_ESTIMATORS,
-    UpdateResult,
-    UpdateSettings,
-    advantages_by_uid,
-    jax_update,
-)
+from typing import TYPE_CHECKING
+
+from jaxrl_tools._lazy import lazy_api
+
+if TYPE_CHECKING:
+    from jaxrl_tools.interop.batch import (
+        FIELDS,
+        REQUIRED,
+        batch_from_trajectories,
+        check_batch,
+        load_batch,
+        packed,
+        save_batch,
+    )
+    from jaxrl_tools.interop.compare import (
+        BF16,
+        FP32,
+        Stage,
+        Tolerances,
+        compare_updates,
+        compare_with_batch,
+        format_grad_table,
+        grad_differences,
+    )
+    from jaxrl_tools.interop.update import (
+        REFERENCE_ESTIMATORS,
+        UpdateResult,
+        UpdateSettings,
+        advantages_by_uid,
+        jax_update,
+    )
 
 __all__ = [
     "BF16",
@@ -63,3 +68,5 @@ __all__ = [
     "packed",
     "save_batch",
 ]
+
+__getattr__, __dir__ = lazy_api(__name__)

@@ -7,28 +7,33 @@ it fits and the largest micro-batch that does. `report`: what is printed, with e
 roofline floor.
 """
 
-from jaxrl_tools.plan.memory import (
-    FUNCTIONS,
-    Memory,
-    compile_functions,
-    decode_engine,
-    describe,
-    grpo_settings,
-    largest_fitting_micro_batch,
-    lower_decode,
-    phase_totals,
-    plan_memory,
-    resident_bytes,
-)
-from jaxrl_tools.plan.report import Floor, RunPlan, floors
-from jaxrl_tools.plan.run_plan import (
-    check_fits,
-    device_memory,
-    fit_error,
-    plan_command,
-    plan_run,
-    plan_target,
-)
+from typing import TYPE_CHECKING
+
+from jaxrl_tools._lazy import lazy_api
+
+if TYPE_CHECKING:
+    from jaxrl_tools.plan.memory import (
+        FUNCTIONS,
+        Memory,
+        compile_functions,
+        decode_engine,
+        describe,
+        grpo_settings,
+        largest_fitting_micro_batch,
+        lower_decode,
+        phase_totals,
+        plan_memory,
+        resident_bytes,
+    )
+    from jaxrl_tools.plan.report import Floor, RunPlan, floors
+    from jaxrl_tools.plan.run_plan import (
+        check_fits,
+        device_memory,
+        fit_error,
+        plan_command,
+        plan_run,
+        plan_target,
+    )
 
 __all__ = [
     "FUNCTIONS",
@@ -52,3 +57,5 @@ __all__ = [
     "plan_target",
     "resident_bytes",
 ]
+
+__getattr__, __dir__ = lazy_api(__name__)

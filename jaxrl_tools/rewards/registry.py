@@ -139,13 +139,30 @@ def register_reward(
     return deco
 
 
+# The modules of the shipped rewards: every lookup imports them first, so the registry holds
+# them all whichever module it is read through.
+REWARD_MODULES = ("artist", "otc", "outcome", "retrieval", "tool_calls")
+_loaded = False
+
+
+def load_rewards() -> None:
+    """Imports the shipped reward modules (`REWARD_MODULES`), registering their rewards."""
+    global _loaded
+    if not _loaded:
+        for module in REWARD_MODULES:
+            importlib.import_module(f"jaxrl_tools.rewards.{module}")
+        _loaded = True
+
+
 def registered_rewards() -> list[str]:
     """Names of all registered rewards, sorted."""
+    load_rewards()
     return sorted(_REGISTRY)
 
 
 def get_reward(name: str) -> RewardFn:
     """Look up a reward by registry name, or import it from "package.module:function"."""
+    load_rewards()
     if name in _REGISTRY:
         return _REGISTRY[name]
     if ":" in name:

@@ -3,12 +3,17 @@ sampling, the pure stop scan, the host-side agent loop (`scheduler`: which sampl
 which slot; `resolver`: what an ended segment becomes; `loop`: the driver over the engine), the
 run's records -> trajectories sampler, and rollouts ahead of the update (`ahead`)."""
 
-from jaxrl_tools.rollout.ahead import RolloutsAhead
-from jaxrl_tools.rollout.engine import EngineCore
-from jaxrl_tools.rollout.kernels import DecodeState, Prefix, StepOutput, next_pow2
-from jaxrl_tools.rollout.loop import BUDGET_NOTICE, RolloutLimits, arun_rollouts, run_rollouts
-from jaxrl_tools.rollout.sampler import Sampler, declares_tools, make_engine
-from jaxrl_tools.rollout.sampling import GREEDY, SamplingParams
+from typing import TYPE_CHECKING
+
+from jaxrl_tools._lazy import lazy_api
+
+if TYPE_CHECKING:
+    from jaxrl_tools.rollout.ahead import RolloutsAhead
+    from jaxrl_tools.rollout.engine import EngineCore
+    from jaxrl_tools.rollout.kernels import DecodeState, Prefix, StepOutput, next_pow2
+    from jaxrl_tools.rollout.loop import BUDGET_NOTICE, RolloutLimits, arun_rollouts, run_rollouts
+    from jaxrl_tools.rollout.sampler import Sampler, declares_tools, make_engine
+    from jaxrl_tools.rollout.sampling import GREEDY, SamplingParams
 
 __all__ = [
     "RolloutsAhead",
@@ -27,3 +32,5 @@ __all__ = [
     "next_pow2",
     "run_rollouts",
 ]
+
+__getattr__, __dir__ = lazy_api(__name__)

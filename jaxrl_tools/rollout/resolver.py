@@ -39,10 +39,8 @@ from typing import Any, NamedTuple
 
 from jaxrl_tools.prompts import chat_continuation, encode_observation
 from jaxrl_tools.tools import Observation
+from jaxrl_tools.tools.executor import BUDGET_NOTICE, OVER_BUDGET  # noqa: F401 -- re-exported
 from jaxrl_tools.types import Span, ToolCallRecord, Trajectory
-
-BUDGET_NOTICE = "tool budget exhausted, answer directly"
-OVER_BUDGET = ("notice", "ignore", "end")  # a call past the tool budget (rollout.over_budget)
 
 
 class Append(NamedTuple):

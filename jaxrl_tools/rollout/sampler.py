@@ -14,7 +14,7 @@ from jaxrl_tools.rollout.kernels import next_pow2
 from jaxrl_tools.rollout.loop import RolloutLimits, run_rollouts
 from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.rollout.windowed import run_windowed
-from jaxrl_tools.tools import ToolExecutor, get_parser
+from jaxrl_tools.tools import ToolExecutor, declares_tools, get_parser
 from jaxrl_tools.types import Record, Tokenizer, Trajectory
 
 if TYPE_CHECKING:  # (the config's `rollout.engine` choices are this module's ENGINES)
@@ -27,12 +27,6 @@ ENGINES: dict[str, Callable[[], type[EngineCore]]] = {
     "core": lambda: EngineCore,
     "jetstream": lambda: jetstream.DecodeEngine,
 }
-
-
-def declares_tools(protocol: str) -> bool:
-    """Whether `protocol` declares its tools in the chat template's system turn (function
-    calling); inline protocols (ToRL, ReTool, Search-R1) describe them in the prompt."""
-    return protocol != "none" and bool(getattr(get_parser(protocol), "chat_role", None))
 
 
 def rollout_parser(settings: RolloutSection):

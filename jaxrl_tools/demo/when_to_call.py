@@ -138,6 +138,13 @@ def task_records(data: DataSection, split: str) -> list[dict]:
     return make_records(data.task_eval_size, data.shuffle_seed + 10_000, "eval")
 
 
+def tokenizer_texts(data: DataSection) -> list[str]:
+    """A tiny model's tokenizer corpus (smoke runs; the real model has its own): the system
+    prompt and questions of both kinds."""
+    recs = make_records(1000, data.shuffle_seed, "train")
+    return [data.system_prompt or ""] * 20 + [r["prompt"] for r in recs]
+
+
 def _final(answer: str) -> str:
     return f"The answer is \\boxed{{{answer}}}."
 

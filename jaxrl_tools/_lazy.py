@@ -15,6 +15,7 @@ In the manner of `etils.epy.lazy_api_imports`, with no import hooks: one `ast` p
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import sys
@@ -102,3 +103,11 @@ def lazy_api(package: str) -> tuple[Callable[[str], object], Callable[[], list[s
     module.__lazy_shadowed__ = shadowed
     module.__class__ = _LazyPackage
     return __getattr__, __dir__
+
+
+@functools.cache
+def import_modules(package: str, modules: tuple[str, ...]) -> None:
+    """Imports `package.m` for each of `modules`, once: a registry's lookups call it so that
+    every shipped module has registered its entries, whichever module the lookup came through."""
+    for module in modules:
+        importlib.import_module(f"{package}.{module}")

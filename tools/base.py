@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from jaxrl_tools._lazy import import_modules
+
 
 @dataclasses.dataclass
 class Observation:
@@ -276,16 +278,11 @@ TOOL_REGISTRY: dict[str, type[Tool]] = {}
 # The modules of the shipped tools: every lookup (and `jaxrl_tools.tools.TOOL_REGISTRY`) imports
 # them first.
 TOOL_MODULES = ("browse", "calculator", "functions", "mcp", "python_tool", "search")
-_loaded = False
 
 
 def load_tools() -> None:
     """Imports the shipped tool modules (`TOOL_MODULES`), registering their classes."""
-    global _loaded
-    if not _loaded:
-        for module in TOOL_MODULES:
-            importlib.import_module(f"jaxrl_tools.tools.{module}")
-        _loaded = True
+    import_modules("jaxrl_tools.tools", TOOL_MODULES)
 
 
 def register_tool(name: str):

@@ -6,15 +6,15 @@ Each estimator declares the ``AdvantageInputs`` fields it needs beyond ``loss_ma
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
+
+from jaxrl_tools._lazy import import_modules
 
 CRITIC_FIELD = "values_BT"
 
 # The modules whose estimators are shipped: every lookup imports them first, so a registry read
 # through any module (not only the package) holds them all.
 ESTIMATOR_MODULES = ("outcome", "critic", "gigpo", "turns")
-_loaded = False
 
 _ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
 _REQUIREMENTS: dict[str, tuple[str, ...]] = {}
@@ -67,11 +67,7 @@ def register_advantage_estimator(
 
 def load_estimators() -> None:
     """Imports the shipped estimator modules (`ESTIMATOR_MODULES`), registering their estimators."""
-    global _loaded
-    if not _loaded:
-        for module in ESTIMATOR_MODULES:
-            importlib.import_module(f"jaxrl_tools.algorithms.{module}")
-        _loaded = True
+    import_modules("jaxrl_tools.algorithms", ESTIMATOR_MODULES)
 
 
 def get_advantage_estimator(name: str) -> Callable:

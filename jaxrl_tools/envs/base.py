@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import importlib
 import re
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
+
+from jaxrl_tools._lazy import import_modules
 
 
 @dataclasses.dataclass
@@ -71,16 +72,11 @@ class GridEnv(Env):
 _ENVS: dict[str, type[Env]] = {}
 # The modules of the shipped environments: every lookup imports them first.
 ENV_MODULES = ("external", "frozenlake", "refine", "sokoban")
-_loaded = False
 
 
 def load_envs() -> None:
     """Imports the shipped environment modules (`ENV_MODULES`), registering their classes."""
-    global _loaded
-    if not _loaded:
-        for module in ENV_MODULES:
-            importlib.import_module(f"jaxrl_tools.envs.{module}")
-        _loaded = True
+    import_modules("jaxrl_tools.envs", ENV_MODULES)
 
 
 def register_env(name: str) -> Callable[[type[Env]], type[Env]]:

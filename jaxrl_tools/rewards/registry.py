@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_tools._lazy import import_modules
 from jaxrl_tools.data import DataError
 from jaxrl_tools.rewards import deadline
 from jaxrl_tools.rewards.answers import CORRECTNESS_CHECKERS, TRUTH_CHECKS, is_correct
@@ -142,16 +143,11 @@ def register_reward(
 # The modules of the shipped rewards: every lookup imports them first, so the registry holds
 # them all whichever module it is read through.
 REWARD_MODULES = ("artist", "otc", "outcome", "retrieval", "tool_calls")
-_loaded = False
 
 
 def load_rewards() -> None:
     """Imports the shipped reward modules (`REWARD_MODULES`), registering their rewards."""
-    global _loaded
-    if not _loaded:
-        for module in REWARD_MODULES:
-            importlib.import_module(f"jaxrl_tools.rewards.{module}")
-        _loaded = True
+    import_modules("jaxrl_tools.rewards", REWARD_MODULES)
 
 
 def registered_rewards() -> list[str]:

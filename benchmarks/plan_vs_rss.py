@@ -8,7 +8,12 @@ own memory is not counted), the state and batch are allocated, and one step runs
 samples the process's resident memory (VmRSS) every 5 ms. The figure compared with the plan is
 the peak RSS during allocation and the step minus the RSS just before allocation.
 
+With `--config RECIPE` the step is the recipe's own (`step_config.run_step`: its model from
+`model.path`'s config.json, random weights of that shape; its optimizer, micro-batches, packing
+and shared prompts) at the shapes `plan --config` compiles (`run_shapes`).
+
 Run: python benchmarks/plan_vs_rss.py [--seq-len 512 --seqs 4 --micro 2]
+     python benchmarks/plan_vs_rss.py --config smollm2_when_to_call
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import jax
 from bench_utilisation import QWEN25_05B
 
 from jaxrl_tools import models, plan, sharding
+from jaxrl_tools.config_loader import load_config
+from jaxrl_tools.step_config import run_shapes, run_step
 from jaxrl_tools.train.step import make_rl_step
 from jaxrl_tools.train.step_inputs import full_batch, step_inputs
 from jaxrl_tools.train.step_state import create_rl_state
@@ -60,23 +67,31 @@ def main():
     ap.add_argument("--seqs", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--micro", type=int, default=2)
+    ap.add_argument("--config", help="a recipe: its own step at the shapes plan compiles")
     args = ap.parse_args()
 
-    cfg = QWEN25_05B
-    dtypes = models.DTypePolicy(param="float32", compute=args.compute)
-    M, b, T = args.seqs // args.micro, args.micro, args.seq_len
     mesh = sharding.make_mesh((1, 1, 1))
-    settings = plan.grpo_settings(cfg, dtypes=dtypes, micro_batch_size=b)
-    figures = plan.plan_memory(
-        settings, mesh=mesh, rows=M * b, seq_len=T, slots=1, cache_len=16, functions=("update",)
-    )
+    if args.config:
+        run_cfg = load_config(args.config)
+        step = run_step(run_cfg, mesh)
+        settings, cfg = step.settings, step.settings.model
+        shapes = run_shapes(run_cfg)
+        rows, T = shapes["rows"], shapes["seq_len"]
+    else:
+        cfg = QWEN25_05B
+        dtypes = models.DTypePolicy(param="float32", compute=args.compute)
+        settings = plan.grpo_settings(cfg, dtypes=dtypes, micro_batch_size=args.micro)
+        shapes = dict(rows=args.seqs, seq_len=args.seq_len, slots=1, cache_len=16)
+        rows, T = args.seqs, args.seq_len
+        # The same step (one object: make_rl_step) as the plan compiles.
+        step = make_rl_step(settings, mesh)
+    figures = plan.plan_memory(settings, mesh=mesh, **shapes, functions=("update",))
     planned = figures["update"]
     print(f"plan: RL step peak {planned.peak / 2**30:.2f} GiB ({planned})")
 
-    # The same step (one object: make_rl_step), compiled for real arrays before any exists.
-    step = make_rl_step(settings, mesh)
-    compiled = step.lower_shapes(M * b, T).compile()
-    host_batch, _ = step_inputs(full_batch(M * b, T), settings)
+    # Compiled for real arrays before any exists.
+    compiled = step.lower_shapes(rows, T).compile()
+    host_batch, _ = step_inputs(full_batch(rows, T, group_size=settings.group_size), settings)
     key = jax.random.key(0)
     shardings = step.state_shardings
     init = (

@@ -39,7 +39,7 @@ from jaxrl_tools.setup import (
 from jaxrl_tools.step_config import rl_setup
 from jaxrl_tools.tools import ToolExecutor
 from jaxrl_tools.train import rl_loop, sft, trackers
-from jaxrl_tools.train.metrics import MetricsLogger, public, write_json
+from jaxrl_tools.train.metrics import MetricsLogger, public, step_split, write_json
 from jaxrl_tools.train.rl import RLTrainer
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,9 @@ def train(
             if resuming and before_path.exists():
                 summary["before"] = json.loads(before_path.read_text())
             else:
+                t0 = time.perf_counter()
                 summary["before"] = run_eval(cfg, sampler, params, evals, reward)
+                summary["eval_time_s"] = time.perf_counter() - t0
                 write_json(before_path, summary["before"])
         if keep_init_params and not resuming:  # the update donates the state's buffers
             summary["init_params"] = jax.tree.map(jnp.copy, params)
@@ -230,6 +232,7 @@ def train(
         )
         ckpt.wait()
         summary["final_metrics"] = public(metrics)
+        summary["step_time_s"] = step_split(logger.history)
         if evaluate_after:
             summary["after"] = run_eval(cfg, sampler, trainer.params, evals, reward, t.steps)
         summary["plot"] = str(logger.plot() or "")

@@ -20,7 +20,7 @@ def test_records_mix_both_kinds_with_exact_answers():
     recs = when_to_call.make_records(480, seed=10_000, split="eval")
     assert recs == when_to_call.make_records(480, seed=10_000, split="eval")  # deterministic
     levels = [r["difficulty"] for r in recs]
-    assert levels.count(0) >= 200 and levels.count(1) + levels.count(2) >= 200
+    assert levels.count(0) == 240 and levels.count(1) + levels.count(2) == 240
     for r in recs:
         if r["difficulty"]:
             a, op, b, op2, c = r["expression"].split()

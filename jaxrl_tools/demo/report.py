@@ -24,6 +24,21 @@ def _productivity(m: dict) -> str:
     return f"{m['reward/accuracy'] / calls:.2f}" if calls else "n/a (no calls)"
 
 
+def _times(summary: dict) -> str:
+    """Where the time went: SFT, one held-out evaluation, and the mean RL step's parts."""
+    split = summary.get("step_time_s")
+    if not split:
+        return ""
+    named = (("SFT", "sft_time_s"), ("one evaluation", "eval_time_s"))
+    parts = [f"{name} {summary[key]:.0f} s" for name, key in named if key in summary]
+    return (
+        "Time: "
+        + ", ".join(parts + [f"mean RL step {split['step']:.1f} s"])
+        + f" (generate {split['generate']:.1f} s, score {split['score']:.1f} s, "
+        f"update {split['update']:.1f} s)."
+    )
+
+
 def _episode_row(name: str, m: dict) -> str:
     return (
         f"| {name} | {m['env/success_rate'] * 100:.1f}% | {m['reward/mean']:.3f} | "
@@ -113,12 +128,15 @@ def demo_report(summary: dict, baseline: dict | None = None) -> str:
             f"per response {calls:.2f} vs {base_calls:.2f}{change}, tool productivity (correct "
             f"answers per tool call) {_productivity(a)} vs {_productivity(base)}."
         )
-    lines += ["", "Examples after RL:"]
-    for ex in a.get("_examples", []):
-        lines.append(
+    if times := _times(summary):
+        lines += ["", times]
+    for when, m in (("before", b), ("after", a)):
+        lines += ["", f"Examples {when} RL:"]
+        lines += [
             f"- {ex['prompt']!r} -> {ex['response']!r} (answer {ex['ground_truth']}, "
             f"score {ex['score']:g})"
-        )
+            for ex in m.get("_examples", [])
+        ]
     if summary.get("plot"):
         lines += ["", f"Training curves: {summary['plot']}"]
     return "\n".join(lines) + "\n"

@@ -21,6 +21,7 @@ from jaxrl_tools.config import DataSection, SFTSection
 from jaxrl_tools.tools import get_parser
 
 PROTOCOLS = ("zerotir", "torl")  # inline ```python protocols the traces are written in
+EVAL_SEED = 10_000
 
 _DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 _MONTHS = (
@@ -106,14 +107,15 @@ def _tool_question(rng: random.Random, level: int) -> tuple[str, str, str]:
     return q, f"{a} * {b} - {c}", str(a * b - c)
 
 
-def make_records(n: int, seed: int, split: str, tool_frac: float = 0.5) -> list[dict]:
-    """`n` prompt records, a fraction `tool_frac` of them arithmetic (levels 1 and 2 alike),
-    the rest level-0 questions; facts from the `split`'s side of the hash split."""
+def make_records(n: int, seed: int, split: str) -> list[dict]:
+    """`n` prompt records, half of them arithmetic (levels 1 and 2 alike), the rest level-0
+    questions; facts from the `split`'s side of the hash split. The held-out set alternates the
+    two kinds (exactly n/2 of each); training draws each record's kind."""
     facts = [f for f in _facts() if _in_eval(f[0]) == (split == "eval")]
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        if rng.random() < tool_frac:
+        if (i % 2 == 1) if split == "eval" else (rng.random() < 0.5):
             level = rng.choice((1, 2))
             q, expr, ans = _tool_question(rng, level)
         else:
@@ -131,11 +133,12 @@ def make_records(n: int, seed: int, split: str, tool_frac: float = 0.5) -> list[
 
 
 def task_records(data: DataSection, split: str) -> list[dict]:
-    """The task's prompt records: "train", or the held-out "eval" set (another seed, held-out
-    facts)."""
+    """The task's prompt records: "train" (drawn by `data.shuffle_seed`), or the held-out "eval"
+    set: held-out facts, and the same problems for every seed (so the base model's score is
+    measured once)."""
     if split == "train":
         return make_records(data.task_train_size, data.shuffle_seed, "train")
-    return make_records(data.task_eval_size, data.shuffle_seed + 10_000, "eval")
+    return make_records(data.task_eval_size, EVAL_SEED, "eval")
 
 
 def tokenizer_texts(data: DataSection) -> list[str]:

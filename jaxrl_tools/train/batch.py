@@ -9,6 +9,7 @@ windowed history (`Trajectory.turns`) are laid out a turn per row (`_turn_batch`
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -447,7 +448,8 @@ def collect_batch(
     Trajectories are scored at RL step `step`. With `greedy_baseline` (ReMax), the kept groups'
     records also get one greedy rollout each (`greedy_baselines`), as `Batch.baseline_R`.
 
-    Metrics: the rollout statistics over every sampled trajectory, `filter/sampling_rounds`,
+    Metrics: the rollout statistics over every sampled trajectory, `time/score_s` (the rewards'
+    share of the rollout time), `filter/sampling_rounds`,
     `filter/kept_groups_frac` (kept / sampled groups) and `filter/batch_fill` (kept groups /
     groups of a full batch). With `samples`, also "_samples" (private: not a scalar): every
     sampled trajectory as {"prompt", "response", "reward"}, G consecutive ones per prompt.
@@ -462,12 +464,15 @@ def collect_batch(
     all_parts: dict[str, list] = {}
     rows_out: list[dict] = []
     rounds = groups_seen = 0
+    score_s = 0.0
     while rounds < max_rounds and len(kept_records) < need:
         records = list(next_records())
         trajs = sample(records, group_size)
         rounds += 1
         groups_seen += len(records)
+        t0 = time.perf_counter()
         scores, parts = score_trajectories(reward, records, trajs, group_size, step)
+        score_s += time.perf_counter() - t0
         sampled.extend(trajs)
         all_scores.append(scores)
         for name, values in parts.items():
@@ -493,6 +498,7 @@ def collect_batch(
     metrics["filter/kept_groups_frac"] = len(kept_records) / max(1, groups_seen)
     metrics["filter/batch_fill"] = len(kept_records) / max(1, need)
     metrics["rollout/tokens"] = float(sum(len(t.response_ids) for t in sampled))
+    metrics["time/score_s"] = score_s
     versions = np.concatenate([np.asarray(t.versions, np.float64) for t in sampled] or [[]])
     if versions.size:  # sampled ahead of the update (`rollout.ahead`)
         metrics["rollout/version_min"] = float(versions.min())

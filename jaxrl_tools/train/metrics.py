@@ -71,6 +71,22 @@ def _keep_until(path: Path, start_step: int) -> list[dict]:
     return kept
 
 
+def step_split(history: list[dict]) -> dict[str, float]:
+    """The mean logged RL step in seconds: "generate" (sampling, tool calls included), "score"
+    (the rewards), "update" and "step" (all of it)."""
+    rows = [r for r in history if "time/step_s" in r]
+    if not rows:
+        return {}
+    mean = lambda key: sum(r.get(key, 0.0) for r in rows) / len(rows)  # noqa: E731
+    score = mean("time/score_s")
+    return {
+        "generate": mean("time/rollout_s") - score,
+        "score": score,
+        "update": mean("time/update_s"),
+        "step": mean("time/step_s"),
+    }
+
+
 class MetricsLogger:
     """Writes one record per step to `log_dir/metrics.jsonl` (always: a resumed run reads it
     back), TensorBoard and the experiment trackers given; rollout samples to

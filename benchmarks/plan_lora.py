@@ -9,8 +9,8 @@ the adapters merged into a bfloat16 copy (`model.lora.decode: merged`) or applie
 (`adapters`: no copy). Both with per-layer remat. The workload: micro-batches
 of one 4,096-token sequence (1,024 prompt + 3,072 response), 32 decode slots of 4,096 tokens.
 
-Figures are the CPU compiler's buffer assignment (an estimate of a GPU's, see README "Memory
-planning"). Run: python benchmarks/plan_lora.py [--hbm-gb 80]
+Figures are the CPU compiler's buffer assignment (an estimate of a GPU's, see
+docs/guide/precision.md, "Memory planning"). Run: python benchmarks/plan_lora.py [--hbm-gb 80]
 """
 
 from __future__ import annotations

@@ -11,8 +11,13 @@ The package is the pipeline; each subpackage is a stage:
     eval, demo, run, cli     evaluation, the demo task, composition, the command line
     check, smoke             pre-flight checks of a whole run; the `--smoke` version of a recipe
     interop                  batches in verl's layout; one update here vs PyTorch (`repro`)
+    gateway                  the OpenAI-compatible API over the rollout engine (agents, `serve`)
 
 `models`, `sharding` and `tools` are the decoders, the device mesh and the tools.
+
+docs/DESIGN.md is the map: the floors (what may import what, kept by tests/test_layers.py), one
+RL step and one gateway request as data through named files and functions, the engine protocol
+and the registries.
 """
 
 from typing import TYPE_CHECKING

@@ -138,7 +138,7 @@ def grpo_run_config(folder: str) -> RunConfig:
 # critic values and GAE). Not all 12 pairs: `jax_update` splits at the log-probs (the model's
 # pullback, per family, is applied to the loss's cotangent, per settings), so each family's
 # pullback and each estimator's loss are checked here, and each pair costs another model compile
-# in CI. All 12 pairs pass the same tolerances (README, "Reproducing a run across frameworks").
+# in CI. All 12 pairs pass the same tolerances (docs/guide/reproducing.md).
 CASES = {
     "qwen2-grpo": ("qwen2", None),
     "qwen3-drgrpo": (

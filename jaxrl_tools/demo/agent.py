@@ -4,7 +4,7 @@
         sft.max_len=384 --baseline-agent jaxrl_tools.demo.agent:tool_math_agent
 
 (SFT, then RL with the built-in loop and RL with this agent from the same SFT policy: the
-README's "Training your own agent" has the figures.)
+docs/results/tool-math.md has the figures.)
 
 It does what the built-in loop does for the demo: sends the problem with the Python tool
 declared, runs each tool call itself in the sandbox, sends the output back as a tool message,

@@ -10,8 +10,8 @@
   trl_grpo   ``trl_loss`` / ``compare_with_trl``: TRL's own GRPO loss on the batch (imports trl
              when called; import ``jaxrl_tools.interop.trl_grpo`` explicitly)
 
-``jaxrl-tools repro --config X --batch B.parquet [--torch] [--trl]`` drives them (README,
-"Reproducing a run across frameworks").
+``jaxrl-tools repro --config X --batch B.parquet [--torch] [--trl]`` drives them
+(docs/guide/reproducing.md).
 """
 
 from typing import TYPE_CHECKING

@@ -12,8 +12,8 @@ from jaxrl_tools.interop.update import UpdateResult
 @dataclasses.dataclass(frozen=True)
 class Tolerances:
     """What two correct implementations of one update agree to. ``FP32``: about 100x the
-    differences measured on the tests' tiny Qwen2/Qwen3/Llama 3 models (README, "Reproducing a
-    run across frameworks"). ``BF16``: bfloat16 weights on both sides, where the frameworks
+    differences measured on the tests' tiny Qwen2/Qwen3/Llama 3 models
+    (docs/guide/reproducing.md). ``BF16``: bfloat16 weights on both sides, where the frameworks
     round differently (transformers rounds the logits to bfloat16, we keep them float32).
 
     Attributes:

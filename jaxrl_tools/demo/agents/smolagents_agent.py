@@ -5,10 +5,11 @@ loopback port `http_base_url` opens).
     rollout.agent=jaxrl_tools.demo.agents.smolagents_agent:agent  (pip install smolagents openai)
 
 Two things to know: smolagents asks for a tool call on every step (tool_choice "required",
-which the gateway forces as given tokens: see the README), and it sends its history back as
-its own text (a call as "Calling tools: ..."), not as the messages the gateway returned, so
-every step after the first is a new sample of the episode: set rollout.agent_max_samples to
-its max_steps. Its own long system prompt is replaced by the record's.
+which the gateway forces as given tokens: see docs/guide/your-own-agent.md), and it sends its
+history back as its own text (a call as "Calling tools: ..."), not as the messages the
+gateway returned, so every step after the first is a new sample of the episode: set
+rollout.agent_max_samples to its max_steps. Its own long system prompt is replaced by the
+record's.
 """
 
 from __future__ import annotations

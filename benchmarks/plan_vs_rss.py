@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+from pathlib import Path
 
 import jax
 from bench_utilisation import QWEN25_05B
 
-from jaxrl_tools import models, plan, sharding
+from jaxrl_tools import configs, models, plan, sharding
 from jaxrl_tools.config_loader import load_config
 from jaxrl_tools.step_config import run_shapes, run_step
 from jaxrl_tools.train.step import make_rl_step
@@ -72,7 +73,8 @@ def main():
 
     mesh = sharding.make_mesh((1, 1, 1))
     if args.config:
-        run_cfg = load_config(args.config)
+        path = Path(args.config)
+        run_cfg = load_config(path if path.is_file() else configs.path(args.config))
         step = run_step(run_cfg, mesh)
         settings, cfg = step.settings, step.settings.model
         shapes = run_shapes(run_cfg)

@@ -110,9 +110,7 @@ def actor_loss(
         attention=attention,
         packed=packed,
     )
-    return actor_objective(
-        pcfg, nll_coef, logp, ent, mb, denom, nll_denom=nll_denom, packed=packed
-    )
+    return actor_objective(pcfg, nll_coef, logp, ent, mb, denom, nll_denom=nll_denom, packed=packed)
 
 
 def actor_objective(

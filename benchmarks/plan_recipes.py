@@ -37,6 +37,7 @@ from shapes import CONFIG_JSON  # noqa: E402 - after XLA_FLAGS
 # The recipes' model folders -> architecture (Instruct, Math and Coder variants share shapes).
 RECIPES = {
     "retool": "qwen2.5-32b",
+    "retool_paper": "qwen2.5-32b",
     "dapo": "qwen2.5-32b",
     "vapo": "qwen2.5-32b",
     "drgrpo": "qwen2.5-7b",

@@ -69,6 +69,26 @@ def zero_variance_frac(rates: np.ndarray) -> float:
     return float(np.mean((rates == 0.0) | (rates == 1.0))) if len(rates) else 0.0
 
 
+def limr_scores(rewards_NK: np.ndarray) -> np.ndarray:
+    """LIMR's learning-impact score (arXiv 2502.11886, ToRL's data selection) of each sample
+    from its mean reward at each of K epochs of a full-data run, [N, K]:
+    s_i = 1 - sum_k (r_ik - rbar_k)^2 / sum_k (1 - rbar_k)^2, rbar_k the mean over samples.
+    A sample whose curve follows the model's average learning curve scores near 1."""
+    r = np.asarray(rewards_NK, dtype=np.float64)
+    if r.ndim != 2 or r.shape[0] == 0 or r.shape[1] == 0:
+        raise ValueError(f"limr_scores: rewards must be [samples, epochs], got shape {r.shape}")
+    mean_K = r.mean(axis=0)
+    denom = np.sum((1.0 - mean_K) ** 2)
+    if denom == 0:  # every sample solved at every epoch: no curve to align with
+        raise ValueError("limr_scores: the average reward is 1 at every epoch")
+    return 1.0 - np.sum((r - mean_K) ** 2, axis=1) / denom
+
+
+def limr_keep(rewards_NK: np.ndarray, threshold: float = 0.6) -> np.ndarray:
+    """Which samples LIMR keeps: score above `threshold` (the paper's 0.6)."""
+    return limr_scores(rewards_NK) > threshold
+
+
 def write_records(cfg: RunConfig, recs: Sequence[dict], rates, keep, path: str | Path) -> int:
     """The kept records as a jsonl file `data.train_files` reads with the same config's keys,
     each with its "pass_rate" (what `data.curriculum` orders by). Returns the count written."""

@@ -408,6 +408,7 @@ def _stand_in_data(d: Path) -> dict[str, list[str]]:
     coldstart = jsonl(d / "coldstart.jsonl", [{"prompt": "1+1?", "response": response}] * 4)
     return {
         "retool": [*files, f"sft.train_files=[{coldstart}]"],
+        "retool_paper": [*files, f"sft.train_files=[{coldstart}]"],
         "dapo": files,
         "torl": files,
         "zerotir": files,

@@ -150,3 +150,19 @@ def test_training_files_mixed_by_weight_in_their_proportions(tmp_path):
     with pytest.raises(ConfigError, match=r"data\.train_weights mixes the files forever"):
         data = {"task": None, "train_files": files, "train_weights": [1, 1], "num_epochs": 1}
         config_from_dict(tiny_run_config_dict(tmp_path, data=data))
+
+
+def test_limr_scores_against_a_loop_transcription():
+    """LIMR (2502.11886): s_i = 1 - sum_k (r_ik - rbar_k)^2 / sum_k (1 - rbar_k)^2."""
+    rng = np.random.default_rng(0)
+    r = rng.random((7, 5))
+    r[0] = r[1:].mean(axis=0)  # then also the mean of all: it follows the average curve, score 1
+    mean = [sum(r[i, k] for i in range(7)) / 7 for k in range(5)]
+    den = sum((1 - mean[k]) ** 2 for k in range(5))
+    want = [1 - sum((r[i, k] - mean[k]) ** 2 for k in range(5)) / den for i in range(7)]
+    np.testing.assert_allclose(curation.limr_scores(r), want, rtol=1e-12)
+    assert curation.limr_scores(r)[0] == pytest.approx(1.0)
+    keep = curation.limr_keep(r, threshold=0.6)
+    assert keep.tolist() == [w > 0.6 for w in want] and keep[0]
+    with pytest.raises(ValueError, match=r"rewards must be \[samples, epochs\]"):
+        curation.limr_scores(np.ones(3))

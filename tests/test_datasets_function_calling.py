@@ -205,6 +205,21 @@ def test_toolace_row_splits_into_one_record_per_assistant_turn():
     ]
 
 
+def test_unparsable_calls_give_no_record_not_a_no_call_one():
+    # As ground truth [] an unreadable call attempt would reward calling nothing.
+    broken = [dict(t) for t in TOOLACE["conversations"]]
+    broken[1] = {"from": "assistant", "value": '[get_weather(city="Paris", unit=celsius)]'}
+    (answer,) = from_toolace(dict(TOOLACE, conversations=broken))
+    assert answer["ground_truth"] == [] and answer["prompt"][-1]["role"] == "tool"
+    turns = [dict(t) for t in HERMES["conversations"]]
+    call = next(t for t in turns if "<tool_call>" in t["value"])
+    call["value"] = "<tool_call>\n{'name': 'get_stock_price', 'arguments': {\n</tool_call>"
+    assert from_hermes(dict(HERMES, conversations=turns)) == []
+    # a plain answer in brackets is no call attempt: a no-call record
+    plain = [*TOOLACE["conversations"][:3], {"from": "assistant", "value": "[20, 21]"}]
+    assert from_toolace(dict(TOOLACE, conversations=plain))[-1]["ground_truth"] == []
+
+
 def test_hermes_row_with_python_dict_calls():
     (r,) = from_hermes(HERMES)
     assert r["ground_truth"] == [{"name": "get_stock_price", "arguments": {"symbol": "AAPL"}}]

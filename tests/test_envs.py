@@ -4,8 +4,10 @@ turn protocol."""
 import asyncio
 import copy
 import dataclasses
+from pathlib import Path
 
 import pytest
+import yaml
 
 from jaxrl_tools.envs import FrozenLake, RagenTurns, Refine, Sokoban, make_env, parse_turn, refine
 from jaxrl_tools.envs import sokoban as sk
@@ -309,3 +311,17 @@ def _task_of(seed):
     import numpy as np
 
     return refine.TASKS[int(np.random.default_rng(seed).integers(len(refine.TASKS)))]
+
+
+def test_the_ragen_frozenlake_recipe_plays_slippery_lakes():
+    """RAGEN's FrozenLake is slippery: from the same start, the same move lands in different
+    places across seeds' slips."""
+    recipe = Path(__file__).resolve().parent.parent / "configs" / "frozenlake_grpo.yaml"
+    env_cfg = yaml.safe_load(recipe.read_text())["env"]
+    landed = set()
+    for seed in range(20):
+        env = make_env(env_cfg["name"], **env_cfg["kwargs"])
+        env.reset(seed)
+        env.step("Right")
+        landed.add(env.position)
+    assert len(landed) > 1

@@ -424,3 +424,44 @@ class ErrorTest(chex.TestCase):
         L = jnp.ones((2, 3))
         total, denom = aggregate(L, jnp.zeros((2, 3)), "token-mean")
         assert float(total) == 0.0 and float(denom) == 0.0
+
+
+def np_vapo_nll(logp, m, correct):
+    """VAPO (2504.05118) eq. 11: -(1 / sum_{o_i in T} |o_i|) sum_{o_i in T} sum_t log pi, T the
+    correct responses; a loop transcription."""
+    num = den = 0.0
+    for b in range(logp.shape[0]):
+        if correct[b]:
+            for t in range(logp.shape[1]):
+                num -= logp[b, t] * m[b, t]
+                den += m[b, t]
+    return num / den
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_vapo_nll_is_a_token_mean_over_correct_responses(mode):
+    """The NLL term divides by the correct responses' tokens in the whole mini-batch (not by all
+    its tokens), and micro-batches add up to it."""
+    from jaxrl_tools.train import objectives  # noqa: PLC0415
+
+    d = make(31, B=6)
+    correct = np.asarray([1, 0, 0, 1, 1, 0], np.float32)  # token counts differ from the total
+    cfg = PolicyLossConfig(loss_agg_mode=mode, max_len=L_MAX)
+    mb = {"loss_mask": jnp.asarray(d["m"]), "correct": jnp.asarray(correct),
+          "advantages": jnp.asarray(d["A"]), "old_logp": jnp.asarray(d["old"])}  # fmt: skip
+    logp, ent = jnp.asarray(d["logp"]), jnp.asarray(d["ent"])
+
+    def loss(coef, mb, denom):
+        return objectives.actor_objective(
+            cfg, coef, logp[mb["rows"]], ent[mb["rows"]], mb, denom[0], nll_denom=denom[1]
+        )[0]
+
+    whole = {k: v[None] for k, v in mb.items()}
+    denom = objectives.actor_denominator(cfg, whole)
+    assert float(denom[1]) == float((d["m"] * correct[:, None]).sum())
+    full = dict(mb, rows=np.arange(6))
+    nll = (loss(0.1, full, denom) - loss(0.0, full, denom)) / 0.1
+    np.testing.assert_allclose(nll, np_vapo_nll(d["logp"], d["m"], correct), rtol=1e-5)
+    parts = [{k: v[a:b] for k, v in full.items()} for a, b in ((0, 2), (2, 4), (4, 6))]
+    summed = sum(loss(0.1, p, denom) - loss(0.0, p, denom) for p in parts) / 0.1
+    np.testing.assert_allclose(summed, nll, rtol=1e-5)

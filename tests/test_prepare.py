@@ -107,6 +107,39 @@ def test_math_converters_on_each_format(tmp_path):
     assert read_back(tmp_path / "bare.jsonl")[0]["prompt"] == "Compute $1/2+1/2$."
 
 
+def test_prompts_that_ask_for_boxed_get_no_second_instruction(tmp_path):
+    # ToRL's user turns end with their own \\boxed{} instruction: appending ours made two.
+    own = "Find $x$ if $x+1=3$.\nPlease reason step by step, and put your final answer within \\boxed{}."
+    row = {
+        "prompt": [{"content": own, "role": "user"}],
+        "reward_model": {"ground_truth": "2"},
+        "data_source": "torl",
+    }
+    other = {"problem": "Find $y$ if $2y=6$.", "answer": "3"}  # no instruction: one appended
+    out = tmp_path / "t.jsonl"
+    prepare(
+        "torl",
+        [parquet(tmp_path / "torl.parquet", [row]), jsonl(tmp_path / "o.jsonl", [other])],
+        out,
+    )
+    assert [r["prompt"] for r in read_back(out)] == [own, boxed("Find $y$ if $2y=6$.")]
+
+
+def test_squad_answers_dicts_give_their_texts(tmp_path):
+    squad = jsonl(
+        tmp_path / "squad.jsonl",
+        [{"id": "5733be", "question": "Who founded the school",
+          "answers": {"text": ["Father Sorin", "Sorin"], "answer_start": [12, 19]}}],
+    )  # fmt: skip
+    out = tmp_path / "q.jsonl"
+    prepare("nq-hotpotqa", [squad], out)
+    got = read_back(out, prompt_key="question", answer_key="golden_answers")
+    assert got == [{"prompt": "Who founded the school?", "ground_truth": ["Father Sorin", "Sorin"]}]
+    bad = jsonl(tmp_path / "bad.jsonl", [{"question": "q?", "answers": {"answer_start": [1]}}])
+    with pytest.raises(data.DataError, match=r"bad.jsonl:1: 'answers' is a dict without 'text'"):
+        prepare("nq-hotpotqa", [bad], tmp_path / "b.jsonl")
+
+
 def test_search_r1_questions_and_corpus(tmp_path):
     nq = jsonl(
         tmp_path / "nq_train.jsonl",

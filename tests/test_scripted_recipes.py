@@ -88,6 +88,17 @@ def test_retool_runs_eight_calls(tok):
     assert r["num_tool_calls"] == 8 and r["finish_reason"] == "eos" and r["reward"] == 1.0
 
 
+def test_retool_paper_scores_plus_minus_one_with_no_turn_bonus(tok):
+    """The paper's reward: +1 / -1 only; verl's recipe lifts a wrong answer by its turns."""
+    turns = [f"<code>print({i})</code>" for i in range(6)] + ["\\boxed{4}"]
+    wrong = {"prompt": "x?", "ground_truth": "3", "turns": turns}
+    (paper,) = rows("retool_paper", [wrong], tok)
+    (verl,) = rows("retool", [wrong], tok)
+    assert paper["num_tool_calls"] == 6 and paper["reward"] == -1.0 and verl["reward"] > -1.0
+    (right,) = rows("retool_paper", [{**wrong, "ground_truth": "4"}], tok)
+    assert right["reward"] == 1.0
+
+
 def test_zerotir_writes_on_past_its_budget_as_its_code_does(tok):
     """ZeroTIR (C = 8): past the budget its code drops the stops, so a ninth block is not
     run and the model writes on; the turn limit (9) never cuts the eighth call."""
@@ -181,7 +192,7 @@ def test_scripted_run_refuses_environment_recipes(tok):
 def test_check_warns_when_the_turn_limit_would_cut_the_budget():
     from jaxrl_tools.check.setup import budget_warning
 
-    for name in ("torl", "zerotir", "search_r1", "retool", "artist", "mixed_tools"):
+    for name in ("torl", "zerotir", "search_r1", "retool", "retool_paper", "artist", "mixed_tools"):
         assert budget_warning(load_config(configs.path(name), [])) is None, name
     cfg = load_config(configs.path("retool"), ["rollout.max_turns=4"])
     assert "max_turns=4 ends a response after 4 tool turns" in budget_warning(cfg)

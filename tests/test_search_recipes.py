@@ -240,6 +240,15 @@ def test_generated_sql_data_is_shipped_and_scored_by_execution(tmp_path):
         db_shipped = sqlite3.connect(ROOT / "data" / "sql_qa" / "dbs" / name)
         q = "SELECT * FROM staff ORDER BY id"
         assert db_ours.execute(q).fetchall() == db_shipped.execute(q).fetchall()
+    # the cold start: one in-format, correct answer per training question (the recipe's reward)
+    coldstart = read_jsonl(paths["coldstart"])
+    assert coldstart == read_jsonl(ROOT / "data" / "sql_qa" / "coldstart.jsonl")
+    train = read_jsonl(paths["train"])
+    assert [c["prompt"] for c in coldstart] == [r["prompt"] for r in train]
+    (spec,) = load_config(ROOT / "configs" / "deepretrieval_sql.yaml").reward
+    scores = {get_reward("sql_exec")(c["response"], r["ground_truth"], **spec.kwargs)
+              for c, r in zip(coldstart, train, strict=True)}  # fmt: skip
+    assert scores == {1.1}
     reward = get_reward("sql_exec")
     rec = next(r for r in read_jsonl(paths["train"]) if r["template"] == "count_dept")
     gt = rec["ground_truth"]

@@ -13,8 +13,8 @@ protocol renders through the model's chat template and the `toolrl` / `tool_n1` 
   (`from_hermes`). Each takes one row (a dict, as read from the dataset's json/jsonl) and
   returns records; a row that cannot be read raises `DataError` naming the field.
 - `split_turns` / `valid_record` (Tool-N1): one record per assistant turn that calls tools, with
-  the conversation before it; drop records whose calls name an undeclared tool or do not fit
-  its schema.
+  the conversation before it; drop turns whose calls cannot be read (not no-call records) and
+  records whose calls name an undeclared tool or do not fit its schema.
 """
 
 from __future__ import annotations
@@ -120,6 +120,21 @@ def parse_python_calls(text: str) -> list[dict] | None:
     return calls
 
 
+class UnparsableCalls(ValueError):
+    """An assistant turn that writes tool calls which cannot be read."""
+
+
+# ToolACE: a turn that opens like `[name(` is a call attempt, whatever follows.
+_PY_CALL_START = re.compile(r"^\s*\[\s*[A-Za-z_][\w.]*\s*\(")
+
+
+def _toolace_calls(text: str) -> list[dict] | None:
+    calls = parse_python_calls(text)
+    if calls is None and _PY_CALL_START.match(text):
+        raise UnparsableCalls(text[:80])
+    return calls
+
+
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 _ROLES |= {"tool": "tool", "function": "tool", "observation": "tool", "system": "system"}
 
@@ -159,7 +174,7 @@ def from_toolace(row: Mapping) -> list[dict]:
         raise DataError("ToolACE row: no JSON tool list in its 'system' field")
     turns = _turns(_json_field(row, "conversations", "ToolACE"), "ToolACE")
     system = [{"role": "system", "content": SYSTEM}]
-    return split_turns(system + turns, tools, parse_python_calls)
+    return split_turns(system + turns, tools, _toolace_calls)
 
 
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -177,7 +192,9 @@ def _hermes_calls(text: str) -> list[dict] | None:
             try:  # Hermes data often writes Python dicts
                 obj = ast.literal_eval(block)
             except (ValueError, SyntaxError):
-                return None
+                raise UnparsableCalls(block[:80]) from None
+        if not isinstance(obj, Mapping):
+            raise UnparsableCalls(block[:80])
         calls.append({"name": obj.get("name"), "arguments": obj.get("arguments", {})})
     return calls
 
@@ -228,12 +245,16 @@ def from_bfcl(question: Mapping, answer: Mapping) -> list[dict]:
 # ------------------------------------------------------------------------------- Tool-N1
 def split_turns(messages: list[dict], tools: list[dict], read_calls) -> list[dict]:
     """One record per assistant turn: the messages before it as the prompt, its calls (or []
-    for a plain answer) as the ground truth."""
+    for a plain answer) as the ground truth. A turn whose calls `read_calls` cannot read
+    (`UnparsableCalls`) gives no record: as a no-call record it would reward not calling."""
     out = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or i == 0:
             continue
-        calls = read_calls(m["content"])
+        try:
+            calls = read_calls(m["content"])
+        except UnparsableCalls:
+            continue
         out.append({"prompt": messages[:i], "tools": tools, "ground_truth": calls or []})
     return out
 

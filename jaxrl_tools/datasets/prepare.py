@@ -151,13 +151,21 @@ def math_records(rows: Iterable[tuple[str, Mapping]], opts: argparse.Namespace) 
         if (problem, answer) in seen:  # DAPO-Math-17k's parquet repeats each problem 100 times
             continue
         seen.add((problem, answer))
-        prompt = f"{problem}\n\n{opts.instruction}" if opts.instruction else problem
+        append = opts.instruction and not _has_instruction(problem)
+        prompt = f"{problem}\n\n{opts.instruction}" if append else problem
         yield {
             "prompt": prompt,
             "ground_truth": answer,
             "data_source": str(row.get("data_source") or opts.name),
             "id": str(_record_id(row) or where.rsplit(":", 1)[-1]),
         }
+
+
+def _has_instruction(problem: str) -> bool:
+    """Whether the problem's last paragraph already asks for a \\boxed{} answer (ToRL's
+    prompts carry their own instruction; a second one would contradict or repeat it)."""
+    last = problem.rsplit("\n\n", 1)[-1].lower()
+    return "\\boxed" in last
 
 
 def _record_id(row: Mapping) -> Any:
@@ -177,6 +185,10 @@ def qa_records(rows: Iterable[tuple[str, Mapping]], opts: argparse.Namespace) ->
             answers = rm["ground_truth"].get("target")
         if answers is None:
             answers = _get(row, ("answers", "answer"))
+        if isinstance(answers, Mapping):  # SQuAD: {"text": [...], "answer_start": [...]}
+            if "text" not in answers:
+                raise DataError(f"{where}: 'answers' is a dict without 'text': {sorted(answers)}")
+            answers = answers["text"]
         if isinstance(answers, str):
             answers = [answers]
         if not isinstance(question, str) or not question.strip() or not answers:

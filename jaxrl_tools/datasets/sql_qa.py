@@ -1,13 +1,13 @@
 """Text-to-SQL data for DeepRetrieval's SQL recipe: small generated sqlite databases and
 questions with gold queries, scored by execution accuracy (the `sql_exec` reward).
 
-    paths = write_dataset("data/sql_qa")   # dbs/shop_<i>.sqlite, train.jsonl, test.jsonl
+    paths = write_dataset("data/sql_qa")   # dbs/, train.jsonl, test.jsonl, coldstart.jsonl
 
 Each database holds a `staff` table (id, name, dept, city, salary, hired) and a `depts` table
 (name, floor, budget) with rows drawn from `seed`; each question is a template instantiated on
 one database's values, with its gold SQL. A record:
 
-    {"prompt": "<schema>\\n\\nQuestion: How many staff work in sales?\\n...",
+    {"prompt": "<instruction>\\n\\nSchema:\\n...\\n\\nQuestion: How many staff work in sales?",
      "ground_truth": {"db": "data/sql_qa/dbs/shop_0.sqlite", "sql": "SELECT COUNT(*) ..."},
      "template": "count_dept"}
 
@@ -37,8 +37,12 @@ _DEPTS = ("sales", "research", "support", "legal", "design", "finance")
 _CITIES = ("Lisbon", "Quito", "Tromso", "Perth", "Kyoto", "Accra")
 _FIRST = ("Ada", "Bo", "Cy", "Di", "Eli", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kai", "Lu", "Mo")
 _LAST = ("Reyes", "Okafor", "Lindqvist", "Tanaka", "Moreau", "Silva", "Novak", "Haddad")
+# DeepRetrieval's SQL prompt asks for its format (the `sql_exec` reward's `format_bonus`).
 INSTRUCTION = (
-    "Write one SQLite query that answers the question, in a ```sql block. Only read the database."
+    "Write one SQLite query that answers the question. Only read the database. Show your work "
+    "in <think> </think> tags; your final response must be JSON within <answer> </answer>, e.g. "
+    '<think>\n[thinking process]\n</think>\n<answer>\n{"sql": "SELECT ... (in one line)"}\n'
+    "</answer>"
 )
 
 # (template id, question, gold SQL); {dept}, {city}, {year}, {salary} come from the database.
@@ -87,8 +91,31 @@ def make_db(path: str | Path, seed: int, n_staff: int = 40) -> dict:
             "salary": list(range(50_000, 100_001, 10_000))}  # fmt: skip
 
 
+# Cold-start reasoning per template, standing in for DeepRetrieval's teacher-written traces.
+REASONS = {
+    "count_dept": "Each staff row has a dept; count the rows whose dept is '{dept}'.",
+    "names_city": "Take the staff rows with city '{city}', sort by salary descending (then "
+    "name), and return the names.",
+    "avg_salary": "Average the salary column over the staff rows with dept '{dept}'.",
+    "top_dept": "Group staff by dept, order the groups by their size descending (ties by "
+    "name), and keep the first.",
+    "floor_of": "Floors live in depts; join staff to depts on the department name, keep staff "
+    "hired after {year}, and return the distinct floors.",
+    "rich_count": "Count the staff rows with salary above {salary}.",
+    "budget_city": "Find the departments that have staff in {city}, then sum their budgets "
+    "from depts.",
+}
+
+
 def prompt(question: str) -> str:
     return f"{INSTRUCTION}\n\nSchema:\n{SCHEMA}\n\nQuestion: {question}"
+
+
+def coldstart_response(template: str, fill: dict, sql: str) -> str:
+    """A cold-start answer in DeepRetrieval's format: the reasoning, then the gold query."""
+    reason = REASONS[template].format(**fill)
+    answer = json.dumps({"sql": sql})
+    return f"<think>\n{reason}\n</think>\n<answer>\n{answer}\n</answer>"
 
 
 def questions_for(db: str, values: dict, rng: random.Random, per_template: int = 4) -> list[dict]:
@@ -103,7 +130,8 @@ def questions_for(db: str, values: dict, rng: random.Random, per_template: int =
                 continue
             seen.add(q)
             out.append({"prompt": prompt(q), "ground_truth": {"db": db, "sql": gold},
-                        "template": tid})  # fmt: skip
+                        "template": tid,
+                        "response": coldstart_response(tid, fill, gold)})  # fmt: skip
     return out
 
 
@@ -111,7 +139,8 @@ def write_dataset(
     out: str | Path, *, seed: int = 0, n_train_dbs: int = 10, n_test_dbs: int = 3
 ) -> dict[str, Path]:
     """Writes dbs/shop_<i>.sqlite, train.jsonl (questions on the first `n_train_dbs`
-    databases) and test.jsonl (on the others) under `out`."""
+    databases), test.jsonl (on the others) and coldstart.jsonl (the training questions with
+    a reasoned gold answer: {"prompt", "response"}, the SFT cold start) under `out`."""
     out = Path(out)
     rng = random.Random(seed)
     splits: dict[str, list[dict]] = {"train": [], "test": []}
@@ -123,6 +152,10 @@ def write_dataset(
     paths = {}
     for split, rows in splits.items():
         rng.shuffle(rows)
+        answers = [{"prompt": r["prompt"], "response": r.pop("response")} for r in rows]
+        if split == "train":
+            paths["coldstart"] = out / "coldstart.jsonl"
+            paths["coldstart"].write_text("".join(json.dumps(a) + "\n" for a in answers))
         paths[split] = out / f"{split}.jsonl"
         paths[split].write_text("".join(json.dumps(r) + "\n" for r in rows))
     return paths

@@ -97,7 +97,9 @@ def actor_loss(
     attention: str = "auto",
     packed: bool = False,
 ) -> tuple[jax.Array, dict]:
-    """`actor_objective` on the policy's own log-probs and entropies of the micro-batch."""
+    """`actor_objective` on the policy's own log-probs and entropies of the micro-batch.
+    `denom`: `actor_denominator`'s value (a pair with VAPO's NLL term)."""
+    denom, nll_denom = denom if isinstance(denom, tuple) else (denom, None)
     logp, ent = sequence_logprobs(
         model_cfg,
         temperature,
@@ -108,7 +110,7 @@ def actor_loss(
         attention=attention,
         packed=packed,
     )
-    return actor_objective(pcfg, nll_coef, logp, ent, mb, denom, packed=packed)
+    return actor_objective(pcfg, nll_coef, logp, ent, mb, denom, nll_denom=nll_denom, packed=packed)
 
 
 def actor_objective(
@@ -119,6 +121,7 @@ def actor_objective(
     mb: dict,
     denom: jax.Array,
     *,
+    nll_denom: jax.Array | None = None,
     packed: bool = False,
 ) -> tuple[jax.Array, dict]:
     """The policy loss (PPO clip / GSPO, KL, entropy) plus VAPO's NLL on correct responses.
@@ -129,6 +132,8 @@ def actor_objective(
       logp, ent: [B, T] the policy's log-probs and entropies of `mb`'s tokens.
       mb: the micro-batch (module docstring); without "old_logp" the update is on-policy.
       denom: the whole mini-batch's denominator (`actor_denominator`).
+      nll_denom: the mini-batch's count of correct responses' tokens, the NLL's denominator
+        (VAPO 2504.05118, eq. 11); None: this micro-batch's count (one micro-batch).
       packed: rows hold several sequences ("attention" holds their segment ids).
 
     Returns:
@@ -156,16 +161,12 @@ def actor_objective(
     # shares add up to "loss", they do not average, so it is not reported twice.
     metrics.pop("pg_loss", None)
     if nll_coef:
-        correct = mb["correct"] if packed else mb["correct"][:, None]
-        nll, _ = algorithms.aggregate(
-            -logp,
-            mb["loss_mask"] * correct,
-            pcfg.loss_agg_mode,
-            max_len=pcfg.max_len,
-            denominator=denom,
-            segment_ids_BT=segments,
-        )
-        loss = loss + nll_coef * nll / jnp.maximum(denom, 1.0)
+        # VAPO's L_NLL: a token mean over the correct responses only, whatever loss_agg_mode.
+        correct_BT = nll_mask(mb, packed)
+        if nll_denom is None:
+            nll_denom = jnp.sum(correct_BT)
+        nll = algorithms.masked_sum(-logp, correct_BT)
+        loss = loss + nll_coef * nll / jnp.maximum(nll_denom, 1.0)
     metrics["entropy"] = algorithms.masked_mean(ent, mb["loss_mask"])
     return loss, metrics
 
@@ -176,9 +177,19 @@ def actor_denominator(
     """The mini-batch's loss denominator (by the aggregation mode), over all micro-batches."""
     rows = lambda x: x.reshape(-1, x.shape[-1])
     segments = rows(batch_M["attention"]) if packed else None
-    return algorithms.loss_denominator(
+    denom = algorithms.loss_denominator(
         rows(batch_M["loss_mask"]), pcfg.loss_agg_mode, pcfg.max_len, segments
     )
+    if "correct" not in batch_M:  # no NLL term
+        return denom
+    return denom, jnp.sum(nll_mask(batch_M, packed))
+
+
+def nll_mask(b: dict, packed: bool = False) -> jax.Array:
+    """1 on the model tokens of correct responses ("correct": [..., B] by row, or [..., B, T]
+    by token when packed)."""
+    correct = b["correct"] if packed else b["correct"][..., None]
+    return jnp.asarray(b["loss_mask"] > 0, jnp.float32) * correct
 
 
 def token_values(

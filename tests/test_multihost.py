@@ -316,14 +316,16 @@ def test_one_device_per_process_with_rollouts_ahead_equals_one_process(tmp_path)
 
 
 def test_a_two_process_smoke_run_with_sft_checkpoints_and_resumes(tmp_path):
-    """`train --smoke` of the demo recipe (SFT, then RL) on 2 processes x 2 devices, on the mesh
+    """`train --smoke` of the demo recipe (SFT, then RL) on 2 processes x 1 device, on the mesh
     given on the command line (`--smoke` used to replace it by 1x1x1: each process trained alone
     on its own device, and the first checkpoint failed on host-local arrays), then a relaunch
-    with --resume that continues it. One SFT step, one RL step, then one more after resuming."""
+    with --resume that continues it. One SFT step, one RL step, then one more after resuming.
+    The mesh 1x2x1 shards every parameter over both processes (FSDP), so each checkpoint
+    gathers across them; one device each is the cheapest launch that does (CI time)."""
     cmd = [sys.executable, "-m", "jaxrl_tools.cli", "train", "--config", "grpo_tool_math"]
-    cmd += ["--smoke", "trainer.mesh=2x2x1", "sft.num_traces=8", "sft.max_traces=8"]
+    cmd += ["--smoke", "trainer.mesh=1x2x1", "sft.num_traces=8", "sft.max_traces=8"]
     cmd += [f"trainer.checkpoint_dir={tmp_path / 'ckpt'}", f"trainer.log_dir={tmp_path / 'logs'}"]
-    env = _env(2)
+    env = _env(1)
     for k in ("JAXRL_HEARTBEAT_TIMEOUT_S", "JAXRL_SHUTDOWN_TIMEOUT_S"):  # no kill here: defaults
         env.pop(k)
 

@@ -12,5 +12,7 @@ export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 # One worker per core (at most 4: each holds a JAX runtime); a file's tests stay on one worker,
-# so a module's expensive fixture (an 8-device run, a trained tokenizer) is built once.
-"$VENV/bin/pytest" -n auto --maxprocesses 4 --dist loadfile tests "$@"
+# so a module's expensive fixture (an 8-device run, a trained tokenizer) is built once. Files are
+# handed out in tests/conftest.py's order, longest first: xdist's own reorder (by test count)
+# started the longest file, test_multihost.py, 30 minutes into the run.
+"$VENV/bin/pytest" -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder tests "$@"

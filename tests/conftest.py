@@ -18,7 +18,9 @@ else:
 
 
 # The longest files first (measured): `--dist loadfile` runs each file whole on one worker, and
-# handing the long ones out first keeps one of them from starting last (CI time).
+# handing the long ones out first keeps one of them from starting last (CI time). xdist keeps
+# this order only with --no-loadscope-reorder (scripts/test.sh); by default it sorts the files by
+# their number of tests.
 LONGEST_FIRST = (
     "test_multihost.py",
     "test_lora.py",

@@ -61,7 +61,8 @@ def _family(cfg: RunConfig) -> tuple[str, dict]:
         return model_type, keep
     # No folder yet (a recipe for a model not downloaded): the family from its name.
     name = Path(cfg.model.path).name.lower()
-    return ("qwen3" if "qwen3" in name else "llama" if "llama" in name else "qwen2"), {}
+    llama = "llama" in name or "smollm" in name
+    return ("qwen3" if "qwen3" in name else "llama" if llama else "qwen2"), {}
 
 
 def smoke_config(cfg: RunConfig, overrides: Sequence[str] = ()) -> RunConfig:

@@ -519,6 +519,7 @@ def test_check_every_recipe(name, capsys, tmp_path, monkeypatch):
         "vapo",
         "drgrpo",
         "retool",
+        "smollm2_when_to_call",
     ],
 )
 def test_smoke_train_of_the_tool_recipes(name, capsys, tmp_path, monkeypatch):

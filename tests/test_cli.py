@@ -1,5 +1,7 @@
 """The CLI end to end on a tiny run: train (SFT + RL, checkpoints), eval, export, bad input."""
 
+import re
+
 import numpy as np
 import pytest
 import yaml
@@ -129,6 +131,10 @@ def test_demo_compares_with_a_baseline_reward(run_config, capsys):
     assert rows == ["| SFT (before RL)", "| SFT + RL (math)", "| SFT + RL (otc_grpo)"]
     assert "Against RL with math from the same SFT policy" in report
     assert "tool productivity (correct answers per tool call)" in report
+    # where the time went: SFT, an evaluation, the RL step's generate / score / update
+    assert re.search(r"Time: SFT \d+ s, one evaluation \d+ s, mean RL step [\d.]+ s \(generate "
+                     r"[\d.]+ s, score [\d.]+ s, update [\d.]+ s\)", report), report  # fmt: skip
+    assert report.index("Examples before RL:") < report.index("Examples after RL:")
     assert (out / "ckpt" / "baseline" / "2").is_dir() and (out / "ckpt" / "2").is_dir()
 
 

@@ -20,7 +20,7 @@ from jaxrl_tools import check, run
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import config_from_dict, load_config
 from jaxrl_tools.train import trackers
-from jaxrl_tools.train.metrics import MetricsLogger
+from jaxrl_tools.train.metrics import MetricsLogger, step_split
 
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")
@@ -396,3 +396,15 @@ def test_a_tiny_run_logs_its_steps_to_jsonl_wandb_and_mlflow(offline):
     ]
     assert jsonl[-1]["reward/mean"] == pytest.approx(sum(s["reward"] for s in samples) / 8)
     print(f"tiny tracked run: {elapsed:.1f}s")
+
+
+def test_step_split_is_the_mean_logged_step_with_scoring_out_of_generation():
+    history = [
+        {"step": 1, "time/step_s": 10.0, "time/rollout_s": 6.0, "time/score_s": 1.0,
+         "time/update_s": 4.0},
+        {"step": 2, "time/step_s": 20.0, "time/rollout_s": 8.0, "time/score_s": 3.0,
+         "time/update_s": 12.0},
+        {"step": 2, "eval/reward/mean": 0.5},  # an evaluation's record: not a step
+    ]  # fmt: skip
+    assert step_split(history) == {"generate": 5.0, "score": 2.0, "update": 8.0, "step": 15.0}
+    assert step_split([]) == {}

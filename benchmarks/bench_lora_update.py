@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -47,8 +46,7 @@ def main():
     ap.add_argument("--fill", choices=("real", "full"), default="real")
     args = ap.parse_args()
 
-    path = Path(args.config)
-    cfg = load_config(path if path.is_file() else configs.path(args.config))
+    cfg = load_config(configs.resolve(args.config))
     lora_cfg = dataclasses.replace(
         cfg,
         model=dataclasses.replace(

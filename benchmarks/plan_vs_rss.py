@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import threading
 import time
-from pathlib import Path
 
 import jax
 from bench_utilisation import QWEN25_05B
@@ -73,8 +72,7 @@ def main():
 
     mesh = sharding.make_mesh((1, 1, 1))
     if args.config:
-        path = Path(args.config)
-        run_cfg = load_config(path if path.is_file() else configs.path(args.config))
+        run_cfg = load_config(configs.resolve(args.config))
         step = run_step(run_cfg, mesh)
         settings, cfg = step.settings, step.settings.model
         shapes = run_shapes(run_cfg)

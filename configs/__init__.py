@@ -12,3 +12,9 @@ def path(name: str) -> Path:
         names = sorted(f.stem for f in DIR.glob("*.yaml"))
         raise FileNotFoundError(f"no shipped config {name!r}; shipped: {names}")
     return p
+
+
+def resolve(source: str) -> Path:
+    """`source` itself when it is a YAML file, else the shipped recipe of that name."""
+    p = Path(source)
+    return p if p.is_file() else path(source)

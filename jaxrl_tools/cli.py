@@ -105,9 +105,7 @@ def _load(args):
             f"--config {source} is a directory: pass a YAML file (e.g. {path / 'run.yaml'}) or "
             f"a shipped recipe's name (e.g. {DEMO_CONFIG})"
         )
-    if not path.is_file():
-        path = configs.path(source)
-    cfg = load_config(path, args.overrides)
+    cfg = load_config(configs.resolve(source), args.overrides)
     return smoke.smoke_config(cfg, args.overrides) if getattr(args, "smoke", False) else cfg
 
 

@@ -152,7 +152,7 @@ def _dispatch(args, cfg) -> int | None:
         print("\n".join(report.lines()))
         return 0 if report.fits else 1
     elif args.command == "serve" and args.openai:
-        from jaxrl_tools.gateway import server  # noqa: PLC0415  (the [agents] extra)
+        from jaxrl_tools import serve_openai  # noqa: PLC0415  (the [agents] extra)
 
         if args.tools:
             raise ConfigError(
@@ -161,7 +161,7 @@ def _dispatch(args, cfg) -> int | None:
             )
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
-            server.serve_openai(
+            serve_openai.serve_openai(
                 cfg,
                 from_checkpoint=args.checkpoint,
                 step=args.step,

@@ -32,8 +32,8 @@ import numpy as np
 
 from jaxrl_tools import prompts, run
 from jaxrl_tools.config import ConfigError, RunConfig
-from jaxrl_tools.rollout.kernels import next_pow2
 from jaxrl_tools.rollout.sampling import SamplingParams
+from jaxrl_tools.shapes import next_pow2
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from jaxrl_tools import models, records, sharding
 from jaxrl_tools.config import ConfigError, RunConfig, TinyModelConfig
 from jaxrl_tools.config_loader import apply_overrides
 from jaxrl_tools.demo.tokenizer import build_mismatch
-from jaxrl_tools.rollout.kernels import next_pow2
+from jaxrl_tools.shapes import next_pow2
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from fakes import wait_until
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from jaxrl_tools.gateway import server
+from jaxrl_tools import serve_openai
 from jaxrl_tools.gateway.app import make_app
 from jaxrl_tools.gateway.backend import BadRequest, Completion
 from jaxrl_tools.gateway.requests import read_tools
@@ -707,7 +707,7 @@ def test_an_api_key_is_asked_for_when_set_and_an_open_bind_without_one_is_flagge
         ("0.0.0.0", "sesame", False)
     ]:
         with socket.create_server((host, 0)) as sock:
-            assert server.unguarded(sock, key) == flagged, (host, key)
+            assert serve_openai.unguarded(sock, key) == flagged, (host, key)
 
 
 def test_sdk_tool_declarations_are_rendered_as_the_built_in_loops():

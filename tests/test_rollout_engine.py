@@ -11,8 +11,9 @@ import torch
 import transformers
 
 from jaxrl_tools import models
-from jaxrl_tools.rollout import EngineCore, next_pow2
+from jaxrl_tools.rollout import EngineCore
 from jaxrl_tools.rollout.sampling import GREEDY, SamplingParams
+from jaxrl_tools.shapes import next_pow2
 
 VOCAB = 96
 _forward = jax.jit(models.forward, static_argnums=0)

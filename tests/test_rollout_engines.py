@@ -16,10 +16,11 @@ from jetstream.engine import engine_api
 
 from jaxrl_tools import models
 from jaxrl_tools.config import ConfigError, RolloutSection
+from jaxrl_tools.config.rollout import ENGINES
 from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.rollout import EngineCore, RolloutLimits, Sampler, make_engine, run_rollouts
 from jaxrl_tools.rollout.jetstream import DecodeEngine
-from jaxrl_tools.rollout.sampler import ENGINES
+from jaxrl_tools.rollout.sampler import ENGINE_CLASSES
 from jaxrl_tools.tools import ToolExecutor, function_tool
 
 SCRIPT_LEN = 96
@@ -45,7 +46,7 @@ def _scripted_engine(name, tiny, tok):
     script += [script[-1]] * (SCRIPT_LEN - len(script))
     added = np.zeros((config.vocab_size,), bool)
     added[list(tok.get_added_vocab().values())] = True
-    return ENGINES[name]()(
+    return ENGINE_CLASSES[name]()(
         config,
         params,
         slots=2,
@@ -80,6 +81,7 @@ def test_rollout_engine_setting_builds_that_engine(tiny, tok):
         ConfigError, match=r"rollout.engine='vllm' is not one of \['core', 'jetstream'\]"
     ):
         RolloutSection(engine="vllm")
+    assert tuple(ENGINE_CLASSES) == ENGINES  # the config's names are the sampler's classes
 
 
 def test_both_engines_give_the_same_trajectories_token_for_token(tiny, tok):

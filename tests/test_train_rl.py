@@ -10,6 +10,7 @@ import pytest
 from fakes import VOCAB, fixed_trajectories, tiny_model_config
 
 from jaxrl_tools import models, run
+from jaxrl_tools.config.training import SCHEDULES
 from jaxrl_tools.config_loader import config_from_dict
 from jaxrl_tools.train import objectives, policy
 from jaxrl_tools.train.batch import make_batch, pad_trajectories
@@ -306,3 +307,10 @@ def test_micro_batch_metrics_are_token_weighted_and_padding_counts_for_nothing()
     )
     np.testing.assert_allclose(metrics["mean"], (3 * 1.0 + 5.0) / 4, rtol=1e-6)
     assert float(metrics["x_min"]) == 1.0 and float(metrics["x_max"]) == 5.0
+
+
+def test_every_schedule_the_config_accepts_builds_an_optimizer():
+    for schedule in SCHEDULES:  # config.training owns the names; make_optimizer builds them
+        make_optimizer(1e-3, total_steps=4, warmup_steps=1, schedule=schedule)
+    with pytest.raises(ValueError, match="optim.schedule must be one of"):
+        make_optimizer(1e-3, total_steps=4, schedule="step")

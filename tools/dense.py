@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxrl_tools import models
 from jaxrl_tools.prompts import load_tokenizer
-from jaxrl_tools.rollout.kernels import next_pow2
+from jaxrl_tools.shapes import next_pow2
 from jaxrl_tools.tools.search import PassageStore, corpus_hash, iter_passages
 
 

@@ -9,6 +9,7 @@ import re
 import types
 import typing
 
+from jaxrl_tools.errors import import_object
 from jaxrl_tools.tools.base import (
     Observation,
     Tool,
@@ -147,8 +148,6 @@ class ImportedFunction(FunctionTool):
         description: str | None = None,
         max_output_chars: int = 4000,
     ):
-        from jaxrl_tools.config.checks import import_object  # noqa: PLC0415 - config imports tools
-
         fn = import_object(function, "config.function", "function")
         if not callable(fn):
             raise ValueError(f"config.function={function!r} is not a function")

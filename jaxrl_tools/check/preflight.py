@@ -31,7 +31,7 @@ from jaxrl_tools.check.setup import (
     tools_schema,
 )
 from jaxrl_tools.config import ConfigError, RunConfig
-from jaxrl_tools.rollout.kernels import next_pow2
+from jaxrl_tools.shapes import next_pow2
 from jaxrl_tools.train.trackers import check_installed
 
 log = logging.getLogger(__name__)

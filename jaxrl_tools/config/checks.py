@@ -1,28 +1,14 @@
-"""`ConfigError` and the field checks every section's validation uses."""
+"""The field checks every section's validation uses (`ConfigError` lives in `errors`, on the
+lowest floor)."""
 
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 from collections.abc import Sequence
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A configuration error; the message names the field (dotted path) at fault."""
-
-
-def import_object(spec: str, field: str, kind: str) -> Any:
-    """The `kind` ("function", "Class") that `spec`, "package.module:name", names; a
-    ConfigError naming `field` when it cannot be imported."""
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise ConfigError(f"{field}={spec!r}: give 'package.module:{kind}'")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"{field}={spec!r} cannot be loaded: {e}") from None
+from jaxrl_tools.errors import ConfigError, import_object
 
 
 def agent_function(spec: str) -> Any:

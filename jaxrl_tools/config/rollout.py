@@ -16,6 +16,8 @@ from jaxrl_tools.tools.parsers import declares_tools
 
 PROTOCOLS = (*sorted(tools.PARSERS), "none")
 TEMPLATES = ("chat", "plain")
+# The engines that can decode (`rollout.engine`; their classes: rollout.sampler.ENGINE_CLASSES).
+ENGINES = ("core", "jetstream")
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class RolloutSection:
     # rows kept in host memory (up to their live length) meanwhile. null = slots; 0 = off.
     max_parked: int | None = None
     max_obs_tokens: int = 512  # observation cap (head + ... + tail)
-    # The engine that decodes (rollout.sampler.ENGINES): "core" (EngineCore) or "jetstream" (the
+    # The engine that decodes (ENGINES): "core" (EngineCore) or "jetstream" (the
     # same engine as a JetStream Engine, rollout.jetstream.DecodeEngine; the [serve] extra).
     engine: str = "core"
     # The engine's own mesh (DxFxT over the trainer's devices, e.g. tensor-parallel decode beside
@@ -82,10 +84,7 @@ class RolloutSection:
 
     def __post_init__(self):
         _check_choice(self.protocol, "rollout.protocol", PROTOCOLS)
-        # the engines are the sampler's (an arrow up to rollout, taken only when validating)
-        from jaxrl_tools.rollout.sampler import ENGINES  # noqa: PLC0415
-
-        _check_choice(self.engine, "rollout.engine", tuple(ENGINES))
+        _check_choice(self.engine, "rollout.engine", ENGINES)
         _check_choice(self.template, "rollout.template", TEMPLATES)
         _check(
             self.template == "chat" or not declares_tools(self.protocol),

@@ -9,6 +9,8 @@ from typing import Any
 from jaxrl_tools import algorithms
 from jaxrl_tools.config.checks import ConfigError, _check, _check_choice
 
+SCHEDULES = ("constant", "cosine", "linear")  # learning-rate schedules (train.state.make_optimizer)
+
 
 @dataclass(frozen=True)
 class FiltersSection:
@@ -240,9 +242,6 @@ class OptimSection:
             "is the width of packed rows: set optim.pack or optim.share_prefix too",
         )
         _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-        # the schedules are make_optimizer's (an arrow up to train, taken only when validating)
-        from jaxrl_tools.train.state import SCHEDULES  # noqa: PLC0415
-
         _check_choice(self.schedule, "optim.schedule", SCHEDULES)
         _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
         _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")

@@ -21,8 +21,8 @@ import typing
 from collections.abc import Hashable
 from typing import Any
 
-from jaxrl_tools.config.checks import import_object
 from jaxrl_tools.envs.base import Env, StepResult, register_env
+from jaxrl_tools.errors import import_object
 
 
 class _TextTurns(Env):

@@ -10,7 +10,7 @@ from jaxrl_tools._lazy import lazy_api
 if TYPE_CHECKING:
     from jaxrl_tools.rollout.ahead import RolloutsAhead
     from jaxrl_tools.rollout.engine import EngineCore
-    from jaxrl_tools.rollout.kernels import DecodeState, Prefix, StepOutput, next_pow2
+    from jaxrl_tools.rollout.kernels import DecodeState, Prefix, StepOutput
     from jaxrl_tools.rollout.loop import BUDGET_NOTICE, RolloutLimits, arun_rollouts, run_rollouts
     from jaxrl_tools.rollout.sampler import Sampler, declares_tools, make_engine
     from jaxrl_tools.rollout.sampling import GREEDY, SamplingParams
@@ -29,7 +29,6 @@ __all__ = [
     "arun_rollouts",
     "declares_tools",
     "make_engine",
-    "next_pow2",
     "run_rollouts",
 ]
 

@@ -28,10 +28,10 @@ from jaxrl_tools.rollout.kernels import (
     StepOutput,
     cache_axis,
     extract_kernel,
-    next_pow2,
 )
 from jaxrl_tools.rollout.sampling import SamplingParams, widest_mode
 from jaxrl_tools.rollout.slot_writes import pack_writes
+from jaxrl_tools.shapes import next_pow2
 from jaxrl_tools.sharding.distributed import to_host
 
 

@@ -24,12 +24,12 @@ from jaxrl_tools.rollout.kernels import (
     LogitsHook,
     Params,
     insert_kernel,
-    next_pow2,
     prefill_kernel,
     write_kernel,
 )
 from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.rollout.serving import ServingWeights
+from jaxrl_tools.shapes import next_pow2
 
 log = logging.getLogger("jaxrl_tools.rollout.engine")  # the engine's log
 

@@ -39,12 +39,6 @@ Params = Any
 LogitsHook = Callable[[jax.Array, jax.Array, jax.Array, Any], jax.Array]
 
 
-def next_pow2(n: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    n = max(int(n), int(minimum), 1)
-    return 1 << (n - 1).bit_length()
-
-
 @flax.struct.dataclass
 class DecodeState:
     """Everything a decode step transforms; see the module docstring. B = slots, V = vocab."""

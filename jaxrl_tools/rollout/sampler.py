@@ -10,20 +10,20 @@ from typing import TYPE_CHECKING, Any
 from jaxrl_tools import models, prompts, seeds
 from jaxrl_tools.rollout import jetstream
 from jaxrl_tools.rollout.engine import EngineCore
-from jaxrl_tools.rollout.kernels import next_pow2
 from jaxrl_tools.rollout.loop import RolloutLimits, run_rollouts
 from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.rollout.windowed import run_windowed
+from jaxrl_tools.shapes import next_pow2
 from jaxrl_tools.tools import ToolExecutor, declares_tools, get_parser
 from jaxrl_tools.types import Record, Tokenizer, Trajectory
 
-if TYPE_CHECKING:  # (the config's `rollout.engine` choices are this module's ENGINES)
+if TYPE_CHECKING:
     from jaxrl_tools.config import RolloutSection
 
 # The engines that decode the RL loop (`rollout.engine`): `EngineCore`, or the same engine as a
 # `jetstream.engine.engine_api.Engine` (`rollout.jetstream.DecodeEngine`; the [serve] extra,
 # JetStream imported on first use).
-ENGINES: dict[str, Callable[[], type[EngineCore]]] = {
+ENGINE_CLASSES: dict[str, Callable[[], type[EngineCore]]] = {
     "core": lambda: EngineCore,
     "jetstream": lambda: jetstream.DecodeEngine,
 }
@@ -49,14 +49,14 @@ def make_engine(
     seed: int = 0,
     dtypes: models.DTypePolicy | None = None,
 ) -> EngineCore:
-    """The `rollout.engine` engine (`ENGINES`), whose slots hold a bucketed `max_prompt_len`
+    """The `rollout.engine` engine (`ENGINE_CLASSES`), whose slots hold a bucketed `max_prompt_len`
     prompt plus the response; with `dtypes`, it serves the compute-dtype copy of the (master)
     params and caches in its dtype."""
     prefill = next_pow2(rollout.max_prompt_len, 16)
     dtype_kwargs = {}
     if dtypes is not None:
         dtype_kwargs = dict(dtype=dtypes.compute_dtype, cache_dtype=dtypes.cache_dtype)
-    return ENGINES[rollout.engine]()(
+    return ENGINE_CLASSES[rollout.engine]()(
         model_cfg,
         params,
         slots=rollout.slots,

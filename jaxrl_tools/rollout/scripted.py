@@ -27,10 +27,10 @@ from typing import Any
 
 from jaxrl_tools import prompts
 from jaxrl_tools.config import ConfigError, RunConfig
-from jaxrl_tools.rollout.kernels import next_pow2
 from jaxrl_tools.rollout.resolver import Finish, Resolver, Sample
 from jaxrl_tools.rollout.sampler import rollout_parser
 from jaxrl_tools.rollout.stops import scan_chunk
+from jaxrl_tools.shapes import next_pow2
 from jaxrl_tools.tools import ToolExecutor
 from jaxrl_tools.types import Trajectory
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_tools.rollout.kernels import next_pow2
 from jaxrl_tools.rollout.sampling import SamplingParams
+from jaxrl_tools.shapes import next_pow2
 
 
 @dataclasses.dataclass(frozen=True)

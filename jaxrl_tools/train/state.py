@@ -14,10 +14,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_tools.config.training import SCHEDULES
+
 LossFn = Callable[[Any, Any, Any], tuple[jax.Array, dict[str, jax.Array]]]
-
-
-SCHEDULES = ("constant", "cosine", "linear")  # learning-rate schedules of make_optimizer
 
 
 @flax.struct.dataclass

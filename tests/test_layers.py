@@ -28,6 +28,9 @@ from jaxrl_tools.algorithms import *
 out["jaxrl_tools.algorithms"] = ours()
 from jaxrl_tools.config import *
 out["jaxrl_tools.config"] = ours()
+from jaxrl_tools.config_loader import config_from_dict
+config_from_dict({"tokenizer": {"path": "unused"}})  # every section validated
+out["a validated config"] = ours()
 print(json.dumps(out))
 """
 
@@ -65,6 +68,8 @@ def test_algorithms_load_no_higher_floor(loaded):
 def test_config_loads_no_rollout_train_gateway(loaded):
     bad = _of(loaded["jaxrl_tools.config"], ("rollout", "train", "gateway"))
     assert not bad, f"from jaxrl_tools.config import * loads {bad}"
+    bad = _of(loaded["a validated config"], ("rollout", "train", "gateway"))
+    assert not bad, f"validating a config loads {bad}"
 
 
 def _package_dirs() -> dict[str, Path]:

@@ -224,3 +224,16 @@ def test_kl_in_reward_needs_an_estimator_with_token_rewards():
         ],
     )
     assert cfg.algorithm.kl_coef == 0.01
+
+
+def test_starpo_updates_once_per_rollout_on_the_kept_groups_as_ragen():
+    """RAGEN's StarPO-S runs are "Online-1": the groups its variance filter keeps (25% of 8 x
+    16 = 32 trajectories) are one update of its ppo_mini_batch_size 32, each update on fresh
+    rollouts. Rows past the kept ones are padding: 4 mini-batches would be 4 updates of ~8."""
+    cfg = load_config(os.path.join(ROOT, "configs", "sokoban_starpo.yaml"))
+    f, o = cfg.algorithm.filters, cfg.optim
+    assert f.starpo_s
+    kept_rows = int(f.starpo_keep_frac * cfg.data.batch_size) * cfg.rollout.group_size
+    assert kept_rows == 32
+    assert o.ppo_epochs * o.num_mini_batches == 1
+    assert kept_rows % o.micro_batch_size == 0

@@ -41,13 +41,62 @@ def test_artist_parser_function_call_and_errors():
     assert "empty <tool>" in p.parse("<tool> </tool>").error
 
 
+def test_artist_parser_named_tags_as_the_paper():
+    """The paper's <tool_name>: the tag is the tool's name; the code tool's body is code, any
+    other tool's body its JSON arguments; generation stops at each tool's closing tag."""
+    p = get_parser("artist", tool_tags="named", tools=("python", "get_weather"))
+    assert p.stop_strings == ("</python>", "</get_weather>")
+    r = p.parse("<think>square it</think>\n<python>\n```python\nprint(12**2)\n```\n</python>")
+    assert r.ok and [(c.name, c.arguments) for c in r.calls] == [
+        ("python", {"code": "print(12**2)"})
+    ]
+    assert r.calls[0].raw.startswith("<python>") and r.calls[0].raw.endswith("</python>")
+    r = p.parse('<think>weather</think><get_weather>{"city": "Lima"}</get_weather>')
+    assert [(c.name, c.arguments) for c in r.calls] == [("get_weather", {"city": "Lima"})]
+    assert p.format_observation(["144"]) == "\n<output>\n144\n</output>\n"
+    # the literal <tool> is no call in this form; <answer> alone is an answer
+    assert p.parse("<tool>print(1)</tool>").calls == []
+    assert p.parse("<think>a</think><answer>4</answer>").calls == []
+    assert (
+        "JSON object of its arguments, got list" in p.parse("<get_weather>[1]</get_weather>").error
+    )
+    assert "must be its JSON arguments" in p.parse("<get_weather>city=Lima</get_weather>").error
+    assert (
+        "2 tool calls in one turn"
+        in p.parse("<python>a</python><get_weather>{}</get_weather>").error
+    )
+    assert "unterminated <python>" in p.parse("<python>print(1)").error
+    assert "empty <python>" in p.parse("<python> </python>").error
+    with pytest.raises(ValueError, match="cannot all be ARTIST tags"):
+        get_parser("artist", tool_tags="named", tools=("answer",))
+
+
+def test_artist_recipe_uses_the_papers_python_tag():
+    cfg = load_config(CONFIGS / "artist.yaml")
+    assert cfg.rollout.protocol == "artist" and cfg.rollout.tool_tags == "named"
+    assert "<python>" in cfg.data.system_prompt and "<tool>" not in cfg.data.system_prompt
+    from jaxrl_tools.rollout.sampler import rollout_parser
+
+    p = rollout_parser(cfg.rollout, ("python",))
+    assert p.stop_strings == ("</python>",)
+    assert p.parse("<python>print(2)</python>").calls[0].arguments == {"code": "print(2)"}
+    fmt = [r for r in cfg.reward if r.name == "artist_format"][0]
+    assert fmt.kwargs["tool_tags"] == ["python"]
+    text = "<think>a</think><python>x</python><output>7</output><answer>7</answer>"
+    assert R.artist_format_reward(text, tool_tags=["python"]) == 1.0
+    assert R.artist_format_reward(text) == 0.0  # the literal form does not read <python>
+    with pytest.raises(Exception, match="tool_tags"):
+        load_config(CONFIGS / "torl.yaml", ["rollout.tool_tags=named"])
+
+
 # ------------------------------------------------------------------------------- rewards
 
 
-def _strict_by_hand(text: str) -> float:
+def _strict_by_hand(text: str, tool: str = "tool") -> float:
     """The strict format rule transcribed: the tags come in consecutive open/close pairs, and
-    the blocks read think (think | tool output)* answer."""
-    tags = re.findall(r"</?(?:think|tool|output|answer)>", text)
+    the blocks read think (think | tool output)* answer (`tool`: the tool call's tag)."""
+    tags = re.findall(rf"</?(?:think|{tool}|output|answer)>", text)
+    tags = [t.replace(tool, "tool") for t in tags]
     opens, closes = tags[0::2], tags[1::2]
     if len(opens) != len(closes) or any(c != o.replace("<", "</") for o, c in zip(opens, closes)):
         return 0.0
@@ -75,17 +124,18 @@ TRANSCRIPTS = [
 
 @pytest.mark.parametrize("text,oks,right", TRANSCRIPTS)
 def test_artist_composite_matches_hand_transcription(text, oks, right):
+    text = text.replace("tool>", "python>")  # the recipe's tag: the paper's <tool_name>
     info = TrajectoryInfo(tool_calls=[{"ok": bool(o)} for o in oks])
     reward = CompositeReward(load_config(CONFIGS / "artist.yaml").reward)
     answer = 1.0 if right else 0.0
     tool = sum(oks) / len(oks) if oks else 0.0
     assert reward.components(text, "7", info) == {
         "artist_answer": answer,
-        "artist_format": _strict_by_hand(text),
+        "artist_format": _strict_by_hand(text, "python"),
         "tool_success": tool,
     }
     assert reward(text, "7", info) == pytest.approx(
-        2.0 * answer + 0.5 * _strict_by_hand(text) + 1.0 * tool
+        2.0 * answer + 0.5 * _strict_by_hand(text, "python") + 1.0 * tool
     )
 
 

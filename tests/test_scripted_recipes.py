@@ -198,3 +198,22 @@ def test_check_warns_when_the_turn_limit_would_cut_the_budget():
     assert "max_turns=4 ends a response after 4 tool turns" in budget_warning(cfg)
     several = load_config(configs.path("mixed_tools"), ["rollout.max_turns=2"])
     assert budget_warning(several) is None  # several calls per turn fit
+
+
+def test_artist_calls_python_by_its_own_tag(tok):
+    """ARTIST (rollout.tool_tags named): the model writes <python>code</python>, generation
+    stops at </python>, the result comes back in <output>, and the strict format reads the
+    named tag; the literal <tool> is text, not a call."""
+    turns = [
+        "<think>square 12</think><python>print(12**2)</python>",
+        "<think>done</think><answer>\\boxed{144}</answer>",
+    ]
+    line = {"prompt": "12^2?", "ground_truth": "144", "turns": turns}
+    (r,) = rows("artist", [line], tok)
+    assert r["num_tool_calls"] == 1 and r["finish_reason"] == "eos"
+    assert [(c["name"], c["ok"]) for c in r["tool_calls"]] == [("python", True)]
+    assert "</python>\n<output>\nran 12 chars" in r["response_text"]
+    assert r["reward"] == pytest.approx(2.0 + 0.5 + 1.0)
+    old = ["<think>square 12</think><tool>print(12**2)</tool><answer>\\boxed{144}</answer>"]
+    (r,) = rows("artist", [{**line, "turns": old}], tok)
+    assert r["num_tool_calls"] == 0

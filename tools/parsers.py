@@ -15,7 +15,9 @@ Each parser has:
   zerotir:   ```python ... ``` (stops at the closing fence) -> ```output result ```
   retool:    <code>...</code> (a ```python fence inside is fine) -> <interpreter>...</interpreter>
   search_r1: <search>query</search> -> <information>top-k passages</information>
-  artist:    <tool>code or {"name", "arguments"}</tool> -> <output>...</output>
+  artist:    <tool>code or {"name", "arguments"}</tool> -> <output>...</output>; with
+             tool_tags "named" the paper's <tool_name>: <python>code</python>,
+             <get_weather>{"city": ..}</get_weather>
 
 `parse` never raises, whatever the model wrote: JSON that Python cannot hold safely (deep
 nesting, integers past the int-string digit limit, NaN/Infinity, unpaired surrogates) is a parse
@@ -177,21 +179,77 @@ class SearchR1Parser(_TagParser):
         return "\n\n<information>" + "\n".join(t.strip() for t in obs_texts) + "</information>\n\n"
 
 
+ARTIST_TAG_FORMS = ("tool", "named")
+
+
 class ArtistParser(_TagParser):
-    """ARTIST (arXiv 2505.01441): <tool>...</tool> -> <output>...</output>, between <think>
-    blocks, ending with <answer>. The body is a function call when it is a JSON object with a
-    string "name" ({"name": .., "arguments": {..}}, the paper's function-calling setting), else
-    Python code for `tool_name` (its math setting; a ```python fence inside is stripped)."""
+    """ARTIST (arXiv 2505.01441): a tool call, then <output>...</output>, between <think>
+    blocks, ending with <answer>.
+
+    tool_tags "tool": every call in a literal <tool>...</tool>. The body is a function call when
+    it is a JSON object with a string "name" ({"name": .., "arguments": {..}}), else Python code
+    for `tool_name` (a ```python fence inside is stripped).
+    tool_tags "named" (the paper's <tool_name>...</tool_name>): the tag is the tool's name, one
+    of `tools`: <python>code</python> for the code tool `tool_name`, <get_weather>{"city":
+    "Lima"}</get_weather> (the body its JSON arguments) for any other tool. Generation stops at
+    each tool's closing tag."""
 
     name = "artist"
     tag, arg = "tool", "code"
 
-    def __init__(self, tool_name: str = "python"):
+    def __init__(
+        self, tool_name: str = "python", tool_tags: str = "tool", tools: tuple[str, ...] = ()
+    ):
         super().__init__(tool_name)
+        if tool_tags not in ARTIST_TAG_FORMS:
+            raise ValueError(f"tool_tags must be one of {ARTIST_TAG_FORMS}, got {tool_tags!r}")
+        self.tool_tags = tool_tags
+        self.tools = tuple(dict.fromkeys(tools or (tool_name,)))
+        if tool_tags == "named":
+            bad = [t for t in self.tools if not re.fullmatch(r"[A-Za-z_][\w.-]*", t)]
+            if bad or {"think", "output", "answer"} & set(self.tools):
+                raise ValueError(f"tool names {self.tools} cannot all be ARTIST tags")
+            self.stop_strings = tuple(f"</{t}>" for t in self.tools)
 
     _body = ReToolParser._body
 
+    def _parse_named(self, text: str) -> ParseResult:
+        found = []  # (start of the opening tag, tool, body start, body end)
+        for t in self.tools:
+            spans, err = _scan_tags(text, f"<{t}>", f"</{t}>")
+            if err:
+                return ParseResult(error=f"Error: {err}")
+            found += [(a - len(t) - 2, t, a, b) for a, b in spans]
+        if not found:
+            return ParseResult()
+        if len(found) > 1:
+            return ParseResult(
+                error=f"Error: {len(found)} tool calls in one turn; write one and wait for "
+                "its <output>"
+            )
+        start, t, a, b = found[0]
+        raw = text[start : b + len(t) + 3]
+        if t == self.tool_name:
+            code = self._body(text[a:b])
+            if not code.strip():
+                return ParseResult(error=f"Error: empty <{t}> block")
+            err = json_value_error(code, f"the <{t}> block")
+            if err:
+                return ParseResult(error=f"Error: {err}")
+            return ParseResult(calls=[ToolCall(t, {self.arg: code}, raw=raw)])
+        args, err = _decode_json(text[a:b].strip() or "{}", f"<{t}>")
+        if err:
+            return ParseResult(error=f"Error: the body of <{t}> must be its JSON arguments: {err}")
+        if not isinstance(args, dict):
+            return ParseResult(
+                error=f"Error: the body of <{t}> must be a JSON object of its arguments, "
+                f"got {type(args).__name__}"
+            )
+        return ParseResult(calls=[ToolCall(t, args, raw=raw)])
+
     def parse(self, text: str) -> ParseResult:
+        if self.tool_tags == "named":
+            return self._parse_named(text)
         result = super().parse(text)
         if not result.calls:
             return result

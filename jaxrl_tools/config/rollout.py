@@ -12,7 +12,7 @@ from jaxrl_tools import envs, tools
 from jaxrl_tools.config.checks import ConfigError, _at_least, _check, _check_choice
 from jaxrl_tools.prompts import PLAIN_FORMAT
 from jaxrl_tools.tools.executor import BUDGET_NOTICE, OVER_BUDGET
-from jaxrl_tools.tools.parsers import declares_tools
+from jaxrl_tools.tools.parsers import ARTIST_TAG_FORMS, declares_tools
 
 PROTOCOLS = (*sorted(tools.PARSERS), "none")
 TEMPLATES = ("chat", "plain")
@@ -51,6 +51,10 @@ class RolloutSection:
     # turn's end. false: it stops at the first </tool_call>, one call per turn. Inline
     # protocols make one call per segment whatever this says.
     multi_call: bool = True
+    # ARTIST's tool tags (protocol artist): "tool", every call in a literal <tool>..</tool>
+    # whose body names the tool; "named", the paper's <tool_name>..</tool_name>: the tag is one
+    # of the run's tools (<python>code</python>, <get_weather>{"city": ..}</get_weather>).
+    tool_tags: str = "tool"
     # Tokens one model turn may generate (Search-R1's per-turn cap); a turn cut there ends the
     # response ("turn_length"), or is an environment's action as written. null = no cap.
     max_turn_tokens: int | None = None
@@ -98,6 +102,12 @@ class RolloutSection:
             f"must hold {{prompt}} (where the question goes) once, got {self.plain_format!r}",
         )
         _check_choice(self.over_budget, "rollout.over_budget", OVER_BUDGET)
+        _check_choice(self.tool_tags, "rollout.tool_tags", ARTIST_TAG_FORMS)
+        _check(
+            self.tool_tags == "tool" or self.protocol == "artist",
+            "rollout.tool_tags",
+            f"'named' is ARTIST's tag form: it needs protocol artist, got {self.protocol!r}",
+        )
         _check(
             self.over_budget != "ignore" or not declares_tools(self.protocol),
             "rollout.over_budget",

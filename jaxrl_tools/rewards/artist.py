@@ -1,8 +1,9 @@
 """ARTIST's rewards (arXiv 2505.01441): answer, format and tool execution, summed by the recipe.
 
 A rollout reads `<think>..</think>`, then any number of `<think>` blocks and tool rounds
-`<tool>..</tool><output>..</output>` (the output inserted by the host), and ends with
-`<answer>..</answer>`. The paper's reward is R = R_answer + R_format + R_tool:
+`<tool>..</tool><output>..</output>` (the output inserted by the host; the paper's own tag names
+the tool, `<python>..</python>`: `tool_tags`), and ends with `<answer>..</answer>`. The paper's
+reward is R = R_answer + R_format + R_tool:
 
   artist_answer  1 if the last <answer> is right (math: equivalent by math-verify, a \\boxed{}
                  inside it is unwrapped; qa=True: normalised exact match), else 0
@@ -29,15 +30,23 @@ from jaxrl_tools.rewards.answers import (
 from jaxrl_tools.rewards.registry import TrajectoryInfo, register_reward
 
 ARTIST_TAGS = ("think", "tool", "output", "answer")
-_TAG_RE = re.compile(r"<(/?)(think|tool|output|answer)>")
 
 
-def artist_tag_sequence(text: str) -> list[str] | None:
+def _tag_re(tool_tags: tuple[str, ...]) -> re.Pattern:
+    names = ("think", "output", "answer", *tool_tags)
+    return re.compile(r"<(/?)(" + "|".join(re.escape(n) for n in names) + r")>")
+
+
+def artist_tag_sequence(text: str, tool_tags: tuple[str, ...] = ("tool",)) -> list[str] | None:
     """The ARTIST blocks of `text` in order (e.g. ["think", "tool", "output", "answer"]), or
-    None when a tag is not closed, is closed without being opened, or is nested in another."""
+    None when a tag is not closed, is closed without being opened, or is nested in another.
+
+    tool_tags: the tags of tool calls, each reported as "tool": ("tool",) for the literal
+    <tool>, the tool names for the paper's <tool_name> (`rollout.tool_tags: named`)."""
     blocks, open_tag = [], None
-    for m in _TAG_RE.finditer(text):
+    for m in _tag_re(tuple(tool_tags)).finditer(text):
         closing, tag = m.group(1) == "/", m.group(2)
+        tag = "tool" if tag in tool_tags else tag
         if not closing:
             if open_tag is not None:
                 return None
@@ -50,9 +59,10 @@ def artist_tag_sequence(text: str) -> list[str] | None:
     return None if open_tag is not None else blocks
 
 
-def artist_format_ok(text: str) -> bool:
-    """Strict format: think first, then think blocks or <tool><output> pairs, <answer> last."""
-    blocks = artist_tag_sequence(text)
+def artist_format_ok(text: str, tool_tags: tuple[str, ...] = ("tool",)) -> bool:
+    """Strict format: think first, then think blocks or <tool><output> pairs, <answer> last
+    (`tool_tags` as `artist_tag_sequence`'s)."""
+    blocks = artist_tag_sequence(text, tool_tags)
     if not blocks or blocks[0] != "think" or blocks[-1] != "answer":
         return False
     i = 1
@@ -73,11 +83,14 @@ def artist_format_reward(
     info: TrajectoryInfo | None = None,
     *,
     strict: bool = True,
+    tool_tags: list[str] | None = None,
 ) -> float:
     """ARTIST format reward: strict (1 iff `artist_format_ok`) or relaxed (strict=False: the
-    fraction of <think> and <answer> present and closed, whatever the order)."""
+    fraction of <think> and <answer> present and closed, whatever the order). `tool_tags`: the
+    tags of tool calls (None: the literal <tool>; with `rollout.tool_tags: named`, the tools'
+    names, e.g. [python])."""
     if strict:
-        return float(artist_format_ok(response))
+        return float(artist_format_ok(response, tuple(tool_tags or ("tool",))))
     present = [
         re.search(f"<{t}>.*?</{t}>", response, re.DOTALL) is not None for t in ("think", "answer")
     ]

@@ -29,13 +29,16 @@ ENGINE_CLASSES: dict[str, Callable[[], type[EngineCore]]] = {
 }
 
 
-def rollout_parser(settings: RolloutSection):
+def rollout_parser(settings: RolloutSection, tools: tuple[str, ...] = ()):
     """The rollout section's parser (None for protocol none): Qwen/Hermes with several calls
-    per turn where `rollout.multi_call` asks."""
+    per turn where `rollout.multi_call` asks; ARTIST with `rollout.tool_tags`, the tags of
+    `tools` (the run's tool names) when they are "named"."""
     if settings.protocol == "none":
         return None
     if settings.protocol in ("qwen", "hermes"):
         return get_parser(settings.protocol, stop_at_each_call=not settings.multi_call)
+    if settings.protocol == "artist" and settings.tool_tags != "tool":
+        return get_parser("artist", tool_tags=settings.tool_tags, tools=tuple(tools))
     return get_parser(settings.protocol)
 
 
@@ -194,7 +197,9 @@ class Sampler:
             [self.encode_prompt(rec) for rec in records],
             tokenizer=self.tokenizer,
             num_samples=group_size,
-            protocol=rollout_parser(r) if self.executor is not None else None,
+            protocol=rollout_parser(r, tuple(self.executor.tools))
+            if self.executor is not None
+            else None,
             executor=self.executor,
             limits=self.limits,
             sampling=sampling,

@@ -93,7 +93,7 @@ class ScriptedRun:
         self.tools = setup.setup_tools(cfg) if tools is None else tools
         self.tokenizer = tokenizer if tokenizer is not None else recipe_tokenizer(cfg)
         self.reward = setup.make_reward(cfg)
-        self.parser = rollout_parser(r) if self.tools else None
+        self.parser = rollout_parser(r, tuple(t.name for t in self.tools)) if self.tools else None
         self.executor = None
         if self.parser is not None:
             self.executor = ToolExecutor(

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxrl_tools.config import ConfigError, RunConfig
 from jaxrl_tools.rewards import is_correct
-from jaxrl_tools.train.batch import score_trajectories
+from jaxrl_tools.train.scoring import score_trajectories
 
 
 def parse_band(text: str) -> tuple[float, float]:

@@ -11,7 +11,7 @@ from jaxrl_tools.datasets import call_metrics
 from jaxrl_tools.rewards import CompositeReward, is_correct
 from jaxrl_tools.rewards.tool_calls import ground_truth_calls
 from jaxrl_tools.tools import read_tool_calls
-from jaxrl_tools.train.batch import rollout_metrics, score_trajectories
+from jaxrl_tools.train.scoring import rollout_metrics, score_trajectories
 from jaxrl_tools.types import Record, Sampler
 
 

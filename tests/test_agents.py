@@ -24,7 +24,8 @@ from jaxrl_tools.rollout import RolloutLimits, Sampler
 from jaxrl_tools.rollout.agents import AgentError
 from jaxrl_tools.rollout.engine import EngineCore
 from jaxrl_tools.tools import ToolCall, ToolExecutor, function_tool, get_parser
-from jaxrl_tools.train.batch import make_batch, score_trajectories
+from jaxrl_tools.train.batch import make_batch
+from jaxrl_tools.train.scoring import score_trajectories
 from jaxrl_tools.types import AGENT_TIMEOUT
 
 pytest.importorskip("openai")

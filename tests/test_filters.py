@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxrl_tools.algorithms import accuracy_band_filter, dynamic_sampling_filter, starpo_s_filter
-from jaxrl_tools.train.batch import group_reward_metrics
+from jaxrl_tools.train.scoring import group_reward_metrics
 
 
 def rand_rewards(seed, num_groups=12, G=4):
@@ -86,7 +86,7 @@ def test_dapo_dynamic_sampling_filters_on_accuracy_not_the_shaped_reward():
     rewards, yet no accuracy signal: dropped. A mixed group is kept."""
     from jaxrl_tools import configs
     from jaxrl_tools.config_loader import load_config
-    from jaxrl_tools.train.batch import filter_groups
+    from jaxrl_tools.train.scoring import filter_groups
 
     filters = load_config(configs.path("dapo"), []).algorithm.filters
     math = np.array([1, 1, 1, 1, 1, -1, 1, 1], np.float32)

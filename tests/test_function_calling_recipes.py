@@ -17,7 +17,7 @@ from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.eval import evaluate
 from jaxrl_tools.prompts import render_prompt
 from jaxrl_tools.rewards import CompositeReward, TrajectoryInfo, get_reward
-from jaxrl_tools.train.batch import score_trajectories
+from jaxrl_tools.train.scoring import score_trajectories
 from jaxrl_tools.types import Span, Trajectory
 
 

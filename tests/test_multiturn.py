@@ -15,7 +15,8 @@ from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import config_from_dict
 from jaxrl_tools.envs import EVAL_SEED_OFFSET, Episodes, FrozenLake
 from jaxrl_tools.rewards import CompositeReward
-from jaxrl_tools.train.batch import collect_batch, make_batch, rollout_metrics, step_arrays
+from jaxrl_tools.train.batch import collect_batch, make_batch, step_arrays
+from jaxrl_tools.train.scoring import rollout_metrics
 from jaxrl_tools.types import Span, Trajectory
 
 G = 4  # samples per prompt

@@ -7,7 +7,7 @@ import pytest
 
 from jaxrl_tools import rewards as R
 from jaxrl_tools.rewards import CompositeReward, TrajectoryInfo
-from jaxrl_tools.train.batch import score_trajectories
+from jaxrl_tools.train.scoring import score_trajectories
 from jaxrl_tools.types import Span, Trajectory
 
 

@@ -29,7 +29,7 @@ from jaxrl_tools.rollout import BUDGET_NOTICE, RolloutLimits, Sampler, run_rollo
 from jaxrl_tools.rollout.engine import EngineCore
 from jaxrl_tools.rollout.sampling import GREEDY
 from jaxrl_tools.tools import Observation, ToolExecutor, function_tool, get_parser
-from jaxrl_tools.train.batch import score_trajectories
+from jaxrl_tools.train.scoring import score_trajectories
 
 VOCAB = 96
 

@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 from fakes import wait_until
 
-from jaxrl_tools.tools import PythonTool, SandboxConfig, SandboxPool, SandboxUnavailableError
+from jaxrl_tools.tools import (
+    PythonTool,
+    SandboxConfig,
+    SandboxPool,
+    SandboxUnavailableError,
+    sandbox_fusion,
+)
 from jaxrl_tools.tools import pool as pool_mod
 from jaxrl_tools.tools import sandbox as sandbox_mod
 
@@ -371,7 +377,7 @@ def test_stateless_mode_forgets(pool):
 
 
 def test_sandbox_fusion_shape(pool):
-    ok = pool_mod.run_code_sync(
+    ok = sandbox_fusion.run_code_sync(
         {
             "code": "print(input()[::-1])",
             "language": "python",
@@ -384,9 +390,9 @@ def test_sandbox_fusion_shape(pool):
     assert ok["status"] == "Success"
     assert ok["run_result"]["status"] == "Finished" and ok["run_result"]["stdout"] == "cba\n"
     assert ok["run_result"]["return_code"] == 0
-    slow = pool_mod.run_code_sync({"code": "while 1: pass", "run_timeout": 1}, pool)
+    slow = sandbox_fusion.run_code_sync({"code": "while 1: pass", "run_timeout": 1}, pool)
     assert slow["status"] == "Failed" and slow["run_result"]["status"] == "TimeLimitExceeded"
-    bad = pool_mod.run_code_sync({"code": "print(1)", "language": "cpp"}, pool)
+    bad = sandbox_fusion.run_code_sync({"code": "print(1)", "language": "cpp"}, pool)
     assert bad["status"] == "SandboxError" and "cpp" in bad["message"]
 
 
@@ -442,7 +448,7 @@ def test_http_front_speaks_sandbox_fusion(pool):
     import json
     import urllib.request
 
-    server = pool_mod.make_http_server(pool, "127.0.0.1", 0)
+    server = sandbox_fusion.make_http_server(pool, "127.0.0.1", 0)
     t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()
     try:
@@ -461,8 +467,8 @@ def test_http_front_speaks_sandbox_fusion(pool):
 
 
 def test_http_front_binds_localhost_by_default_and_says_where(pool, caplog):
-    with caplog.at_level(logging.INFO, logger=pool_mod.__name__):
-        server = pool_mod.make_http_server(pool, port=0)
+    with caplog.at_level(logging.INFO, logger=sandbox_fusion.__name__):
+        server = sandbox_fusion.make_http_server(pool, port=0)
     try:
         host, port = server.server_address[:2]
         assert host == "127.0.0.1"
@@ -471,8 +477,8 @@ def test_http_front_binds_localhost_by_default_and_says_where(pool, caplog):
     finally:
         server.server_close()
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger=pool_mod.__name__):
-        server = pool_mod.make_http_server(pool, host="0.0.0.0", port=0)  # never served
+    with caplog.at_level(logging.INFO, logger=sandbox_fusion.__name__):
+        server = sandbox_fusion.make_http_server(pool, host="0.0.0.0", port=0)  # never served
     try:
         assert server.server_address[0] == "0.0.0.0"
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -450,8 +450,8 @@ def test_http_front_callers_do_not_see_each_other(pool):
 
 
 def sandbox_pool_http(pool):
-    from jaxrl_tools.tools import pool as pool_mod
+    from jaxrl_tools.tools import sandbox_fusion
 
-    server = pool_mod.make_http_server(pool, "127.0.0.1", 0)
+    server = sandbox_fusion.make_http_server(pool, "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server

@@ -20,7 +20,8 @@ from jaxrl_tools.config_loader import config_from_dict
 from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.rollout import EngineCore, Sampler
 from jaxrl_tools.tools import ToolExecutor
-from jaxrl_tools.train.batch import make_batch, pad_trajectories, score_trajectories
+from jaxrl_tools.train.batch import make_batch, pad_trajectories
+from jaxrl_tools.train.scoring import score_trajectories
 
 G = 4
 RECORDS = [

@@ -7,7 +7,8 @@ Public API (see each module's docstring):
   read_tool_calls (the lenient <tool_call> reader of rewards) (parsers)
   ToolExecutor, validate_arguments                            (executor)
   SandboxConfig, SandboxUnavailableError, check_isolation     (sandbox)
-  SandboxPool, ExecResult, run_code, run_code_sync, make_http_server (pool; Sandbox Fusion)
+  SandboxPool, ExecResult                                     (pool)
+  run_code, run_code_sync, make_http_server                   (sandbox_fusion)
   PythonTool, SearchTool, BM25Index, CalculatorTool, safe_eval, function_tool
   WebSearchTool, BrowseTool, WebBackend, LocalPages, SearchHit (DeepResearcher: browse)
   McpServer ("mcp": a server's tools, one McpTool each)     (mcp; needs the `mcp` extra)
@@ -54,15 +55,10 @@ if TYPE_CHECKING:
         get_parser,
         read_tool_calls,
     )
-    from jaxrl_tools.tools.pool import (
-        ExecResult,
-        SandboxPool,
-        make_http_server,
-        run_code,
-        run_code_sync,
-    )
+    from jaxrl_tools.tools.pool import ExecResult, SandboxPool
     from jaxrl_tools.tools.python_tool import PythonTool
     from jaxrl_tools.tools.sandbox import SandboxConfig, SandboxUnavailableError, check_isolation
+    from jaxrl_tools.tools.sandbox_fusion import make_http_server, run_code, run_code_sync
     from jaxrl_tools.tools.search import BM25Index, SearchTool, format_passages
 
 __all__ = [

@@ -36,61 +36,124 @@ def validate_arguments(arguments, schema: dict, path: str = "arguments") -> str 
     """Checks `arguments` against a JSON-schema subset; returns an error message or None.
 
     Supported: type (one or a list), properties, required, additionalProperties (False),
-    enum, items, minimum/maximum, minLength/maxLength. Unknown keywords are ignored.
+    enum, items, minimum/maximum, minLength/maxLength. Unknown keywords are ignored. The
+    keywords are checked in `_CHECKS`'s order and the first error is returned.
     """
-    types = schema.get("type")
-    if types is not None:
-        tlist = [types] if isinstance(types, str) else list(types)
-        ok = False
-        for t in tlist:
-            py = _TYPES.get(t)
-            if py is None:
-                continue
-            if isinstance(arguments, bool) and t in ("integer", "number"):
-                continue  # JSON true is not a number
-            if t == "integer" and isinstance(arguments, float) and arguments.is_integer():
-                ok = True
-                break
-            if isinstance(arguments, py):
-                ok = True
-                break
-        if not ok:
-            return (
-                f"{path} must be of type {' or '.join(tlist)}, got "
-                f"{_json_type(arguments)} ({_short(arguments)})"
-            )
-    if "enum" in schema and arguments not in schema["enum"]:
-        return f"{path} must be one of {schema['enum']}, got {_short(arguments)}"
-    if isinstance(arguments, (int, float)) and not isinstance(arguments, bool):
-        if "minimum" in schema and arguments < schema["minimum"]:
-            return f"{path} must be >= {schema['minimum']}, got {_short(arguments)}"
-        if "maximum" in schema and arguments > schema["maximum"]:
-            return f"{path} must be <= {schema['maximum']}, got {_short(arguments)}"
-    if isinstance(arguments, str):
-        if "minLength" in schema and len(arguments) < schema["minLength"]:
-            return f"{path} must have at least {schema['minLength']} characters"
-        if "maxLength" in schema and len(arguments) > schema["maxLength"]:
-            return f"{path} must have at most {schema['maxLength']} characters"
-    if isinstance(arguments, dict):
-        props = schema.get("properties", {})
-        for req in schema.get("required", []):
-            if req not in arguments:
+    for keyword, check in _CHECKS.items():
+        if schema.get(keyword, _ABSENT) is not _ABSENT:
+            err = check(arguments, schema, path)
+            if err:
+                return err
+    return None
+
+
+_ABSENT = object()
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)  # JSON true is not a number
+
+
+def _has_type(x, t) -> bool:
+    py = _TYPES.get(t)
+    if py is None or (isinstance(x, bool) and t in ("integer", "number")):
+        return False
+    if t == "integer" and isinstance(x, float) and x.is_integer():
+        return True
+    return isinstance(x, py)
+
+
+def _check_type(x, schema: dict, path: str) -> str | None:
+    types = schema["type"]
+    if types is None:
+        return None
+    tlist = [types] if isinstance(types, str) else list(types)
+    if any(_has_type(x, t) for t in tlist):
+        return None
+    return f"{path} must be of type {' or '.join(tlist)}, got {_json_type(x)} ({_short(x)})"
+
+
+def _check_enum(x, schema: dict, path: str) -> str | None:
+    if x not in schema["enum"]:
+        return f"{path} must be one of {schema['enum']}, got {_short(x)}"
+    return None
+
+
+def _check_minimum(x, schema: dict, path: str) -> str | None:
+    if _is_number(x) and x < schema["minimum"]:
+        return f"{path} must be >= {schema['minimum']}, got {_short(x)}"
+    return None
+
+
+def _check_maximum(x, schema: dict, path: str) -> str | None:
+    if _is_number(x) and x > schema["maximum"]:
+        return f"{path} must be <= {schema['maximum']}, got {_short(x)}"
+    return None
+
+
+def _check_min_length(x, schema: dict, path: str) -> str | None:
+    if isinstance(x, str) and len(x) < schema["minLength"]:
+        return f"{path} must have at least {schema['minLength']} characters"
+    return None
+
+
+def _check_max_length(x, schema: dict, path: str) -> str | None:
+    if isinstance(x, str) and len(x) > schema["maxLength"]:
+        return f"{path} must have at most {schema['maxLength']} characters"
+    return None
+
+
+def _check_required(x, schema: dict, path: str) -> str | None:
+    if isinstance(x, dict):
+        for req in schema["required"]:
+            if req not in x:
                 return f"missing required argument {_join(path, req)!r}"
-        if schema.get("additionalProperties") is False:
-            extra = sorted(set(arguments) - set(props), key=str)
-            if extra:
-                return f"unknown argument {_join(path, extra[0])!r}; expected: {sorted(props)}"
-        for k, v in arguments.items():
+    return None
+
+
+def _check_additional_properties(x, schema: dict, path: str) -> str | None:
+    if isinstance(x, dict) and schema["additionalProperties"] is False:
+        props = schema.get("properties", {})
+        extra = sorted(set(x) - set(props), key=str)
+        if extra:
+            return f"unknown argument {_join(path, extra[0])!r}; expected: {sorted(props)}"
+    return None
+
+
+def _check_properties(x, schema: dict, path: str) -> str | None:
+    if isinstance(x, dict):
+        props = schema["properties"]
+        for k, v in x.items():
             if k in props:
                 err = validate_arguments(v, props[k], _join(path, k))
                 if err:
                     return err
-    if isinstance(arguments, (list, tuple)) and isinstance(schema.get("items"), dict):
-        for i, v in enumerate(arguments):
+    return None
+
+
+def _check_items(x, schema: dict, path: str) -> str | None:
+    if isinstance(x, (list, tuple)) and isinstance(schema["items"], dict):
+        for i, v in enumerate(x):
             err = validate_arguments(v, schema["items"], f"{path}[{i}]")
             if err:
                 return err
     return None
+
+
+# One check a supported keyword, run in this order when the keyword is in the schema; each
+# check applies only to the JSON types its keyword is about.
+_CHECKS = {
+    "type": _check_type,
+    "enum": _check_enum,
+    "minimum": _check_minimum,
+    "maximum": _check_maximum,
+    "minLength": _check_min_length,
+    "maxLength": _check_max_length,
+    "required": _check_required,
+    "additionalProperties": _check_additional_properties,
+    "properties": _check_properties,
+    "items": _check_items,
+}
 
 
 def _join(path: str, key) -> str:

@@ -60,7 +60,7 @@ class TrajectoryInfo:
       group_correct: correctness of every response of the group, aligned with group_num_calls.
       env_rewards: the environment's reward of each turn (multi-turn environments).
       step: the RL step being scored (1 at the first; rewards with a schedule over training,
-        e.g. ToolRL's dynamic scale; `train.batch.score_trajectories` fills it); None: such
+        e.g. ToolRL's dynamic scale; `train.scoring.score_trajectories` fills it); None: such
         rewards score as at step 0.
       extra: anything else (per-dataset fields).
     """

@@ -167,7 +167,7 @@ class ScriptedRun:
 
     async def run(self, lines: Sequence[dict]) -> list[dict]:
         """Each line's output row (see the module docstring)."""
-        from jaxrl_tools.train.batch import score_trajectories  # noqa: PLC0415
+        from jaxrl_tools.train.scoring import score_trajectories  # noqa: PLC0415
 
         trajs = [await self.play(line, i) for i, line in enumerate(lines)]
         records = [{"ground_truth": line.get("ground_truth")} for line in lines]

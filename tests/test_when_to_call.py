@@ -76,6 +76,27 @@ def test_tool_mix_applies_per_kind(tok):
         assert ("```python" in segs[1][0]) == (r["difficulty"] > 0)
 
 
+def test_direct_traces_write_out_the_one_reasoning_step(tok):
+    """A level-0 reasoning question's direct trace shows its step before the answer (the model
+    writes it so unprompted; bare answers taught it to skip the step and get it wrong); a fact's
+    trace is the answer alone."""
+    recs = [r for r in when_to_call.make_records(200, 2, "train") if r["difficulty"] == 0]
+    sft = SFTSection(tool_mix=0.0, easy_tool_mix=0.0)
+    traces = when_to_call.sft_traces(recs, tok, sft, protocol="zerotir", system_prompt=None, seed=0)
+    steps = 0
+    for r, segs in zip(recs, traces):
+        answer = segs[1][0]
+        if r["prompt"] in dict(when_to_call._facts()):
+            assert r["work"] == "" and answer.startswith("The answer is")
+            continue
+        lhs, rhs = r["work"].rstrip(".").split(" = ") if " = " in r["work"] else (None, None)
+        if lhs is not None:  # "7 + 9 = 16.": the step computes the answer
+            assert eval(lhs) == int(rhs) == int(r["ground_truth"])  # noqa: S307 -- our own digits
+        assert answer.startswith(r["work"] + " The answer is") and r["work"]
+        steps += 1
+    assert steps > 50
+
+
 def test_boxed_check_numbers_and_words():
     assert is_correct("so \\boxed{1,234}", "1234", "boxed")
     assert is_correct("The answer is \\boxed{the Paris.}", "Paris", "boxed")

@@ -70,24 +70,23 @@ def _in_eval(question: str) -> bool:
     return hashlib.sha256(question.encode()).digest()[0] < 64
 
 
-def _head_question(rng: random.Random, facts: list[tuple[str, str]]) -> tuple[str, str]:
-    """A level-0 question: a fact, or one step of reasoning on small numbers."""
+def _head_question(rng: random.Random, facts: list[tuple[str, str]]) -> tuple[str, str, str]:
+    """A level-0 question: a fact, or one step of reasoning on small numbers; (question, answer,
+    the step written out, "" for a fact)."""
     kind = rng.randrange(4)
     if kind == 0:
-        return rng.choice(facts)
+        return *rng.choice(facts), ""
     a, b = rng.randint(2, 9), rng.randint(1, 9)
     if kind == 1:
         who, what = rng.choice(_NAMES), rng.choice(_THINGS)
-        return f"{who} has {a} {what} and gets {b} more. How many {what} does {who} have now?", str(
-            a + b
-        )
+        q = f"{who} has {a} {what} and gets {b} more. How many {what} does {who} have now?"
+        return q, str(a + b), f"{a} + {b} = {a + b}."
     if kind == 2:
         n = rng.randint(2, 98)
-        after = rng.random() < 0.5
-        return f"What number comes {'after' if after else 'before'} {n}?", str(
-            n + 1 if after else n - 1
-        )
-    return f"Which number is larger, {a} or {a + b}?", str(a + b)
+        m, op = (n + 1, "+") if rng.random() < 0.5 else (n - 1, "-")
+        q = f"What number comes {'after' if op == '+' else 'before'} {n}?"
+        return q, str(m), f"{n} {op} 1 = {m}."
+    return f"Which number is larger, {a} or {a + b}?", str(a + b), f"{a + b} > {a}."
 
 
 def _tool_question(rng: random.Random, level: int) -> tuple[str, str, str]:
@@ -118,8 +117,10 @@ def make_records(n: int, seed: int, split: str) -> list[dict]:
         if (i % 2 == 1) if split == "eval" else (rng.random() < 0.5):
             level = rng.choice((1, 2))
             q, expr, ans = _tool_question(rng, level)
+            work = ""
         else:
-            level, (q, ans), expr = 0, _head_question(rng, facts), ""
+            q, ans, work = _head_question(rng, facts)
+            level, expr = 0, ""
         out.append(
             {
                 "id": f"when-{split}-{seed}-{i}",
@@ -127,6 +128,7 @@ def make_records(n: int, seed: int, split: str) -> list[dict]:
                 "ground_truth": ans,
                 "difficulty": level,
                 "expression": expr,
+                "work": work,  # a level-0 reasoning step, written out in its direct trace
             }
         )
     return out
@@ -153,11 +155,14 @@ def _final(answer: str) -> str:
 
 
 def trace_parts(record: dict, use_tool: bool, protocol: str) -> list[tuple[str, bool]]:
-    """The response of one trace as (text, trainable) parts: the answer alone, or a ```python
-    block, the output block the host inserts (not trained) and the answer."""
+    """The response of one trace as (text, trainable) parts: the answer (after its one step of
+    reasoning, written out as the model writes it unprompted: a trace with the bare answer
+    taught it to skip the step, and it then got 11% of "Lily has 7 balls and gets 9 more"), or
+    a ```python block, the output block the host inserts (not trained) and the answer."""
     ans = record["ground_truth"]
     if not use_tool:
-        return [(_final(ans), True)]
+        work = record.get("work", "")
+        return [((f"{work} " if work else "") + _final(ans), True)]
     code = f"```python\nprint({record['expression'] or repr(ans)})\n```"
     if protocol == "torl":
         code += "\n```output"

@@ -64,7 +64,10 @@ def evaluate(
         metrics[f"level/{lv}/accuracy"] = float(correct[sel].mean())
         metrics[f"level/{lv}/tool"] = float(used[sel].mean())
     # Each problem's mean over its samples: the paired standard error of a change needs them.
-    per_problem = {"reward/accuracy": correct.reshape(-1, g).mean(axis=1).tolist()}
+    per_problem = {
+        "reward/accuracy": correct.reshape(-1, g).mean(axis=1).tolist(),
+        "tools/used_frac": used.reshape(-1, g).mean(axis=1).tolist(),  # which problems call
+    }
     if "env/success_rate" in metrics:
         success = np.array([t.env_success for t in trajs], np.float64)
         per_problem["env/success_rate"] = success.reshape(-1, g).mean(axis=1).tolist()

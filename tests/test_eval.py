@@ -69,4 +69,5 @@ def test_evaluate_on_a_qa_reward(terms):
     assert m["reward/pass@2"] == pytest.approx(0.5)
     assert m["level/1/accuracy"] == 0.5 and m["level/2/accuracy"] == 0.0
     assert m["tools/calls_per_response"] == pytest.approx(0.25)
+    assert m["_per_problem"] == {"reward/accuracy": [0.5, 0.0], "tools/used_frac": [0.5, 0.0]}
     assert sampler.calls == [(1, 0.5, 7), (1, 0.5, 8)]

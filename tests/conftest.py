@@ -16,15 +16,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 else:
     _XLA_CACHE = None
 
-# The suite's programs are tiny models whose run time is milliseconds: compiling them is most of
-# its time, and LLVM's -O0 compiles them about twice as fast (the HLO passes, sharding and
-# numerics are unchanged: every parity is between two runs compiled alike). Subprocesses inherit
-# it; those that set XLA_FLAGS (the multi-device runs) add their flags to it.
-FAST_COMPILE = "--xla_backend_optimization_level=0"
-if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
-
-
 # The longest files first (measured): `--dist loadfile` runs each file whole on one worker, and
 # handing the long ones out first keeps one of them from starting last (CI time). xdist keeps
 # this order only with --no-loadscope-reorder (scripts/test.sh); by default it sorts the files by

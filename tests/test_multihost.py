@@ -88,7 +88,7 @@ def _env(devices: int) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     env["JAX_PLATFORMS"] = "cpu"
-    flags = env.get("XLA_FLAGS", "")  # the suite's own (tests/conftest.py), and the devices
+    flags = env.get("XLA_FLAGS", "")  # the caller's flags, and the devices
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
     env["JAXRL_HEARTBEAT_TIMEOUT_S"] = str(HEARTBEAT_S)
     env["JAXRL_SHUTDOWN_TIMEOUT_S"] = str(HEARTBEAT_S)

@@ -138,15 +138,16 @@ class _TagParser(Parser):
                 f"{o}...{c} and wait for the result"
             )
         a, b = spans[0]
-        body = self._body(text[a:b])
+        return self._code_call(self._body(text[a:b]), o, text[a - len(o) : b + len(c)])
+
+    def _code_call(self, body: str, opener: str, raw: str) -> ParseResult:
+        """The code tool's call with `body`, or the error of an empty or unsafe block."""
         if not body.strip():
-            return ParseResult(error=f"Error: empty {o} block")
-        err = json_value_error(body, f"the {o} block")
+            return ParseResult(error=f"Error: empty {opener} block")
+        err = json_value_error(body, f"the {opener} block")
         if err:
             return ParseResult(error=f"Error: {err}")
-        return ParseResult(
-            calls=[ToolCall(self.tool_name, {self.arg: body}, raw=text[a - len(o) : b + len(c)])]
-        )
+        return ParseResult(calls=[ToolCall(self.tool_name, {self.arg: body}, raw=raw)])
 
 
 class ReToolParser(_TagParser):
@@ -230,13 +231,7 @@ class ArtistParser(_TagParser):
         start, t, a, b = found[0]
         raw = text[start : b + len(t) + 3]
         if t == self.tool_name:
-            code = self._body(text[a:b])
-            if not code.strip():
-                return ParseResult(error=f"Error: empty <{t}> block")
-            err = json_value_error(code, f"the <{t}> block")
-            if err:
-                return ParseResult(error=f"Error: {err}")
-            return ParseResult(calls=[ToolCall(t, {self.arg: code}, raw=raw)])
+            return self._code_call(self._body(text[a:b]), f"<{t}>", raw)
         args, err = _decode_json(text[a:b].strip() or "{}", f"<{t}>")
         if err:
             return ParseResult(error=f"Error: the body of <{t}> must be its JSON arguments: {err}")

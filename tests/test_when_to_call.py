@@ -32,7 +32,7 @@ def test_records_mix_both_kinds_with_exact_answers():
 
 
 def test_held_out_facts_never_reach_training():
-    facts = dict(when_to_call._facts())
+    facts = {q for q, _, _ in when_to_call._facts()}
     train = {r["prompt"] for r in when_to_call.make_records(4000, 0, "train")} & set(facts)
     held = {r["prompt"] for r in when_to_call.make_records(480, 10_000, "eval")} & set(facts)
     assert train and held and not train & held
@@ -76,25 +76,31 @@ def test_tool_mix_applies_per_kind(tok):
         assert ("```python" in segs[1][0]) == (r["difficulty"] > 0)
 
 
-def test_direct_traces_write_out_the_one_reasoning_step(tok):
-    """A level-0 reasoning question's direct trace shows its step before the answer (the model
-    writes it so unprompted; bare answers taught it to skip the step and get it wrong); a fact's
-    trace is the answer alone."""
-    recs = [r for r in when_to_call.make_records(200, 2, "train") if r["difficulty"] == 0]
+def test_direct_traces_write_out_the_step_before_the_answer(tok):
+    """A direct trace shows its step before the answer, as the model writes it unprompted: the
+    fact's sentence, "7 + 9 = 16." (bare answers taught it to skip the step and get it wrong),
+    the calculation; and arithmetic opens with a word no level-0 trace opens with (one shared
+    opening let RL's push away from direct arithmetic carry the facts onto the tool)."""
+    recs = when_to_call.make_records(400, 2, "train")
     sft = SFTSection(tool_mix=0.0, easy_tool_mix=0.0)
     traces = when_to_call.sft_traces(recs, tok, sft, protocol="zerotir", system_prompt=None, seed=0)
-    steps = 0
+    facts = {q: sentence for q, _, sentence in when_to_call._facts()}
+    openings = {0: set(), 1: set()}
     for r, segs in zip(recs, traces):
-        answer = segs[1][0]
-        if r["prompt"] in dict(when_to_call._facts()):
-            assert r["work"] == "" and answer.startswith("The answer is")
+        answer, work = segs[1][0], r["work"]
+        assert answer == f"{work} The answer is \\boxed{{{r['ground_truth']}}}."
+        openings[min(r["difficulty"], 1)].add(work.split()[0])
+        if r["prompt"] in facts:
+            assert work == facts[r["prompt"]] and r["ground_truth"] in work
             continue
-        lhs, rhs = r["work"].rstrip(".").split(" = ") if " = " in r["work"] else (None, None)
-        if lhs is not None:  # "7 + 9 = 16.": the step computes the answer
-            assert eval(lhs) == int(rhs) == int(r["ground_truth"])  # noqa: S307 -- our own digits
-        assert answer.startswith(r["work"] + " The answer is") and r["work"]
-        steps += 1
-    assert steps > 50
+        step = work.removeprefix("To calculate: ").rstrip(".")
+        if " > " in step:  # "13 > 7."
+            larger, smaller = step.split(" > ")
+            assert int(larger) > int(smaller) and larger == r["ground_truth"]
+            continue
+        lhs, rhs = step.split(" = ")
+        assert eval(lhs) == int(rhs) == int(r["ground_truth"])  # noqa: S307 -- our own digits
+    assert openings[1] == {"To"} and "To" not in openings[0] and len(openings[0]) > 3
 
 
 def test_boxed_check_numbers_and_words():

@@ -49,18 +49,39 @@ _NAMES = ("Tom", "Anna", "Sam", "Lily", "Max", "Mia", "Ben", "Zoe")
 _THINGS = ("apples", "books", "coins", "pens", "cards", "balls", "cookies", "stickers")
 
 
-def _facts() -> list[tuple[str, str]]:
-    """Every fact question with its answer (a fixed list; split train/eval by hash)."""
-    out = [(f"What is the capital of {c}?", a) for c, a in _CAPITALS.items()]
-    out += [(f"How many legs does a {x} have?", str(n)) for x, n in _LEGS.items()]
-    out += [(f"What is the opposite of {w}?", a) for w, a in _OPPOSITES.items()]
+def _facts() -> list[tuple[str, str, str]]:
+    """Every fact question with its answer and the sentence the model answers it with
+    unprompted ("The capital of Norway is Oslo."); a fixed list, split train/eval by hash."""
+    out = [
+        (f"What is the capital of {c}?", a, f"The capital of {c} is {a}.")
+        for c, a in _CAPITALS.items()
+    ]
+    out += [
+        (f"How many legs does a {x} have?", str(n), f"A {x} has {n} legs.")
+        for x, n in _LEGS.items()
+    ]
+    out += [
+        (f"What is the opposite of {w}?", a, f"The opposite of {w} is {a}.")
+        for w, a in _OPPOSITES.items()
+    ]
     for seq, kind in ((_DAYS, "day"), (_MONTHS, "month")):
         n = len(seq)
-        out += [(f"What {kind} comes after {seq[i]}?", seq[(i + 1) % n]) for i in range(n)]
-        out += [(f"What {kind} comes before {seq[i]}?", seq[i - 1]) for i in range(n)]
+        for i in range(n):
+            nxt, prev = seq[(i + 1) % n], seq[i - 1]
+            out.append(
+                (f"What {kind} comes after {seq[i]}?", nxt, f"The {kind} after {seq[i]} is {nxt}.")
+            )
+            out.append(
+                (
+                    f"What {kind} comes before {seq[i]}?",
+                    prev,
+                    f"The {kind} before {seq[i]} is {prev}.",
+                )
+            )
     letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
     out += [
-        (f"What letter comes after {a} in the alphabet?", b) for a, b in zip(letters, letters[1:])
+        (f"What letter comes after {a} in the alphabet?", b, f"The letter after {a} is {b}.")
+        for a, b in zip(letters, letters[1:])
     ]
     return out
 
@@ -70,12 +91,12 @@ def _in_eval(question: str) -> bool:
     return hashlib.sha256(question.encode()).digest()[0] < 64
 
 
-def _head_question(rng: random.Random, facts: list[tuple[str, str]]) -> tuple[str, str, str]:
+def _head_question(rng: random.Random, facts: list[tuple[str, str, str]]) -> tuple[str, str, str]:
     """A level-0 question: a fact, or one step of reasoning on small numbers; (question, answer,
-    the step written out, "" for a fact)."""
+    the fact's sentence or the step, written out)."""
     kind = rng.randrange(4)
     if kind == 0:
-        return *rng.choice(facts), ""
+        return rng.choice(facts)
     a, b = rng.randint(2, 9), rng.randint(1, 9)
     if kind == 1:
         who, what = rng.choice(_NAMES), rng.choice(_THINGS)
@@ -117,7 +138,7 @@ def make_records(n: int, seed: int, split: str) -> list[dict]:
         if (i % 2 == 1) if split == "eval" else (rng.random() < 0.5):
             level = rng.choice((1, 2))
             q, expr, ans = _tool_question(rng, level)
-            work = ""
+            work = f"To calculate: {expr} = {ans}."
         else:
             q, ans, work = _head_question(rng, facts)
             level, expr = 0, ""
@@ -128,7 +149,7 @@ def make_records(n: int, seed: int, split: str) -> list[dict]:
                 "ground_truth": ans,
                 "difficulty": level,
                 "expression": expr,
-                "work": work,  # a level-0 reasoning step, written out in its direct trace
+                "work": work,  # the step a direct trace writes before its answer
             }
         )
     return out
@@ -155,10 +176,11 @@ def _final(answer: str) -> str:
 
 
 def trace_parts(record: dict, use_tool: bool, protocol: str) -> list[tuple[str, bool]]:
-    """The response of one trace as (text, trainable) parts: the answer (after its one step of
-    reasoning, written out as the model writes it unprompted: a trace with the bare answer
-    taught it to skip the step, and it then got 11% of "Lily has 7 balls and gets 9 more"), or
-    a ```python block, the output block the host inserts (not trained) and the answer."""
+    """The response of one trace as (text, trainable) parts: the answer after the step the
+    model writes unprompted (a bare answer taught it to skip the step: 11% of "Lily has 7 balls
+    and gets 9 more"; and with one opening for facts and arithmetic, RL's push away from direct
+    arithmetic carried facts onto the tool), or a ```python block, the output block the host
+    inserts (not trained) and the answer."""
     ans = record["ground_truth"]
     if not use_tool:
         work = record.get("work", "")

@@ -32,7 +32,8 @@ def evaluate(
     Args:
       sampler: records -> trajectories.
       params: the policy.
-      records: held-out prompts with their ground truth (and optional "difficulty").
+      records: held-out prompts with their ground truth (and optional "difficulty" and
+        "kind": accuracy and tool use are also reported per value).
       reward: the run's reward (its terms are reported; accuracy uses `reward.correctness`).
       group_size: samples per problem (pass@G when > 1).
       temperature: 0 = greedy.
@@ -63,6 +64,11 @@ def evaluate(
         sel = levels == lv
         metrics[f"level/{lv}/accuracy"] = float(correct[sel].mean())
         metrics[f"level/{lv}/tool"] = float(used[sel].mean())
+    kinds = np.array([records[i // g].get("kind", "") for i in range(len(trajs))])
+    for k in sorted(set(kinds.tolist()) - {""}):  # finer than levels, where records name it
+        sel = kinds == k
+        metrics[f"kind/{k}/accuracy"] = float(correct[sel].mean())
+        metrics[f"kind/{k}/tool"] = float(used[sel].mean())
     # Each problem's mean over its samples: the paired standard error of a change needs them.
     per_problem = {
         "reward/accuracy": correct.reshape(-1, g).mean(axis=1).tolist(),

@@ -42,6 +42,7 @@ class ScriptedSampler:
 RECORDS = [
     {"id": "a", "prompt": "Capital of France?", "ground_truth": ["Paris"], "difficulty": 1},
     {"id": "b", "prompt": "Capital of Italy?", "ground_truth": ["Rome"], "difficulty": 2},
+    {"id": "c", "prompt": "Capital of Peru?", "ground_truth": ["Lima"], "kind": "capital"},
 ]
 
 
@@ -53,6 +54,7 @@ def test_evaluate_on_a_qa_reward(terms):
         {
             "a": ["<search>q</search><answer> paris </answer>", "<answer>Lyon</answer>"],
             "b": ["<answer>Milan</answer>", "<answer>Turin</answer>"],
+            "c": ["<search>q</search><answer>Lima</answer>", "<search>q</search>"],
         }
     )
     m = evaluate(
@@ -65,9 +67,14 @@ def test_evaluate_on_a_qa_reward(terms):
         temperature=0.5,
         seed=7,
     )
-    assert m["reward/accuracy"] == pytest.approx(0.25)  # SQuAD-normalised exact match
-    assert m["reward/pass@2"] == pytest.approx(0.5)
+    assert m["reward/accuracy"] == pytest.approx(2 / 6)  # SQuAD-normalised exact match
+    assert m["reward/pass@2"] == pytest.approx(2 / 3)
     assert m["level/1/accuracy"] == 0.5 and m["level/2/accuracy"] == 0.0
-    assert m["tools/calls_per_response"] == pytest.approx(0.25)
-    assert m["_per_problem"] == {"reward/accuracy": [0.5, 0.0], "tools/used_frac": [0.5, 0.0]}
-    assert sampler.calls == [(1, 0.5, 7), (1, 0.5, 8)]
+    assert m["kind/capital/accuracy"] == 0.5 and m["kind/capital/tool"] == 1.0
+    assert not any(k.startswith("kind/") and "capital" not in k for k in m)  # a and b name none
+    assert m["tools/calls_per_response"] == pytest.approx(3 / 6)
+    assert m["_per_problem"] == {
+        "reward/accuracy": [0.5, 0.0, 0.5],
+        "tools/used_frac": [0.5, 0.0, 1.0],
+    }
+    assert sampler.calls == [(1, 0.5, 7), (1, 0.5, 8), (1, 0.5, 9)]

@@ -32,7 +32,7 @@ def test_records_mix_both_kinds_with_exact_answers():
 
 
 def test_held_out_facts_never_reach_training():
-    facts = {q for q, _, _ in when_to_call._facts()}
+    facts = {f.question for f in when_to_call._facts()}
     train = {r["prompt"] for r in when_to_call.make_records(4000, 0, "train")} & set(facts)
     held = {r["prompt"] for r in when_to_call.make_records(480, 10_000, "eval")} & set(facts)
     assert train and held and not train & held
@@ -84,7 +84,7 @@ def test_direct_traces_write_out_the_step_before_the_answer(tok):
     recs = when_to_call.make_records(400, 2, "train")
     sft = SFTSection(tool_mix=0.0, easy_tool_mix=0.0)
     traces = when_to_call.sft_traces(recs, tok, sft, protocol="zerotir", system_prompt=None, seed=0)
-    facts = {q: sentence for q, _, sentence in when_to_call._facts()}
+    facts = {f.question: f.work for f in when_to_call._facts()}
     openings = {0: set(), 1: set()}
     for r, segs in zip(recs, traces):
         answer, work = segs[1][0], r["work"]
@@ -101,6 +101,8 @@ def test_direct_traces_write_out_the_step_before_the_answer(tok):
         lhs, rhs = step.split(" = ")
         assert eval(lhs) == int(rhs) == int(r["ground_truth"])  # noqa: S307 -- our own digits
     assert openings[1] == {"To"} and "To" not in openings[0] and len(openings[0]) > 3
+    kinds = {r["kind"] for r in recs}  # evaluations report each kind
+    assert {"capital", "sum", "larger", "multiply-add", "word problem"} <= kinds
 
 
 def test_boxed_check_numbers_and_words():

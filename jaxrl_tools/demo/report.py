@@ -18,6 +18,28 @@ def _report_row(name: str, m: dict) -> str:
     )
 
 
+def _kinds_table(before: dict, after: dict) -> list[str]:
+    """Accuracy and tool use per kind of question, before and after RL (where records name
+    their kind)."""
+    kinds = sorted(k.split("/")[1] for k in after if k.startswith("kind/") and k.endswith("/tool"))
+    if not kinds:
+        return []
+
+    def pct(m: dict, k: str, what: str) -> str:
+        return f"{m[f'kind/{k}/{what}'] * 100:.0f}%"
+
+    return [
+        "",
+        "| kind | accuracy before -> after | tool use before -> after |",
+        "| --- | --- | --- |",
+        *(
+            f"| {k} | {pct(before, k, 'accuracy')} -> {pct(after, k, 'accuracy')} | "
+            f"{pct(before, k, 'tool')} -> {pct(after, k, 'tool')} |"
+            for k in kinds
+        ),
+    ]
+
+
 def _productivity(m: dict) -> str:
     """OTC's tool productivity: correct answers per tool call."""
     calls = m["tools/calls_per_response"]
@@ -128,6 +150,7 @@ def demo_report(summary: dict, baseline: dict | None = None) -> str:
             f"per response {calls:.2f} vs {base_calls:.2f}{change}, tool productivity (correct "
             f"answers per tool call) {_productivity(a)} vs {_productivity(base)}."
         )
+    lines += _kinds_table(b, a)
     if times := _times(summary):
         lines += ["", times]
     for when, m in (("before", b), ("after", a)):

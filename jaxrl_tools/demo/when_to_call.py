@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxrl_tools.config import DataSection, SFTSection
 from jaxrl_tools.tools import get_parser
@@ -49,38 +49,47 @@ _NAMES = ("Tom", "Anna", "Sam", "Lily", "Max", "Mia", "Ben", "Zoe")
 _THINGS = ("apples", "books", "coins", "pens", "cards", "balls", "cookies", "stickers")
 
 
-def _facts() -> list[tuple[str, str, str]]:
-    """Every fact question with its answer and the sentence the model answers it with
-    unprompted ("The capital of Norway is Oslo."); a fixed list, split train/eval by hash."""
+class Question(NamedTuple):
+    """A level-0 question: its answer, the fact's sentence or the reasoning step as the model
+    writes it unprompted ("The capital of Norway is Oslo.", "7 + 9 = 16."), and its kind."""
+
+    question: str
+    answer: str
+    work: str
+    kind: str
+
+
+def _facts() -> list[Question]:
+    """Every fact question (a fixed list, split train/eval by hash)."""
     out = [
-        (f"What is the capital of {c}?", a, f"The capital of {c} is {a}.")
+        Question(f"What is the capital of {c}?", a, f"The capital of {c} is {a}.", "capital")
         for c, a in _CAPITALS.items()
     ]
     out += [
-        (f"How many legs does a {x} have?", str(n), f"A {x} has {n} legs.")
+        Question(f"How many legs does a {x} have?", str(n), f"A {x} has {n} legs.", "legs")
         for x, n in _LEGS.items()
     ]
     out += [
-        (f"What is the opposite of {w}?", a, f"The opposite of {w} is {a}.")
+        Question(f"What is the opposite of {w}?", a, f"The opposite of {w} is {a}.", "opposite")
         for w, a in _OPPOSITES.items()
     ]
     for seq, kind in ((_DAYS, "day"), (_MONTHS, "month")):
-        n = len(seq)
-        for i in range(n):
-            nxt, prev = seq[(i + 1) % n], seq[i - 1]
-            out.append(
-                (f"What {kind} comes after {seq[i]}?", nxt, f"The {kind} after {seq[i]} is {nxt}.")
-            )
-            out.append(
-                (
-                    f"What {kind} comes before {seq[i]}?",
-                    prev,
-                    f"The {kind} before {seq[i]} is {prev}.",
+        for way, step in (("after", 1), ("before", -1)):
+            for i, x in enumerate(seq):
+                y = seq[(i + step) % len(seq)]
+                out.append(
+                    Question(
+                        f"What {kind} comes {way} {x}?", y, f"The {kind} {way} {x} is {y}.", kind
+                    )
                 )
-            )
     letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
     out += [
-        (f"What letter comes after {a} in the alphabet?", b, f"The letter after {a} is {b}.")
+        Question(
+            f"What letter comes after {a} in the alphabet?",
+            b,
+            f"The letter after {a} is {b}.",
+            "letter",
+        )
         for a, b in zip(letters, letters[1:])
     ]
     return out
@@ -91,9 +100,8 @@ def _in_eval(question: str) -> bool:
     return hashlib.sha256(question.encode()).digest()[0] < 64
 
 
-def _head_question(rng: random.Random, facts: list[tuple[str, str, str]]) -> tuple[str, str, str]:
-    """A level-0 question: a fact, or one step of reasoning on small numbers; (question, answer,
-    the fact's sentence or the step, written out)."""
+def _head_question(rng: random.Random, facts: list[Question]) -> Question:
+    """A level-0 question: a fact, or one step of reasoning on small numbers."""
     kind = rng.randrange(4)
     if kind == 0:
         return rng.choice(facts)
@@ -101,13 +109,14 @@ def _head_question(rng: random.Random, facts: list[tuple[str, str, str]]) -> tup
     if kind == 1:
         who, what = rng.choice(_NAMES), rng.choice(_THINGS)
         q = f"{who} has {a} {what} and gets {b} more. How many {what} does {who} have now?"
-        return q, str(a + b), f"{a} + {b} = {a + b}."
+        return Question(q, str(a + b), f"{a} + {b} = {a + b}.", "sum")
     if kind == 2:
         n = rng.randint(2, 98)
         m, op = (n + 1, "+") if rng.random() < 0.5 else (n - 1, "-")
         q = f"What number comes {'after' if op == '+' else 'before'} {n}?"
-        return q, str(m), f"{n} {op} 1 = {m}."
-    return f"Which number is larger, {a} or {a + b}?", str(a + b), f"{a + b} > {a}."
+        return Question(q, str(m), f"{n} {op} 1 = {m}.", "next number")
+    q = f"Which number is larger, {a} or {a + b}?"
+    return Question(q, str(a + b), f"{a + b} > {a}.", "larger")
 
 
 def _tool_question(rng: random.Random, level: int) -> tuple[str, str, str]:
@@ -131,16 +140,19 @@ def make_records(n: int, seed: int, split: str) -> list[dict]:
     """`n` prompt records, half of them arithmetic (levels 1 and 2 alike), the rest level-0
     questions; facts from the `split`'s side of the hash split. The held-out set alternates the
     two kinds (exactly n/2 of each); training draws each record's kind."""
-    facts = [f for f in _facts() if _in_eval(f[0]) == (split == "eval")]
+    facts = [f for f in _facts() if _in_eval(f.question) == (split == "eval")]
     rng = random.Random(seed)
     out = []
     for i in range(n):
         if (i % 2 == 1) if split == "eval" else (rng.random() < 0.5):
             level = rng.choice((1, 2))
             q, expr, ans = _tool_question(rng, level)
-            work = f"To calculate: {expr} = {ans}."
+            work, kind = (
+                f"To calculate: {expr} = {ans}.",
+                ("multiply-add", "word problem")[level - 1],
+            )
         else:
-            q, ans, work = _head_question(rng, facts)
+            q, ans, work, kind = _head_question(rng, facts)
             level, expr = 0, ""
         out.append(
             {
@@ -150,6 +162,7 @@ def make_records(n: int, seed: int, split: str) -> list[dict]:
                 "difficulty": level,
                 "expression": expr,
                 "work": work,  # the step a direct trace writes before its answer
+                "kind": kind,  # evaluations report accuracy and tool use per kind
             }
         )
     return out

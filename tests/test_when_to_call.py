@@ -111,3 +111,26 @@ def test_boxed_check_numbers_and_words():
     assert not is_correct("The answer is \\boxed{Lyon}", "Paris", "boxed")
     assert not is_correct("Paris", "Paris", "boxed")  # no box, no answer
     assert not is_correct("\\boxed{1233}", "1234", "boxed")
+
+
+def test_training_batches_report_reward_and_tool_use_per_level(tmp_path):
+    """Each step's rollout statistics split by level (the curves of a head question's tool use
+    and of arithmetic's apart), and the end-of-run plot draws them, one line per level."""
+    import numpy as np
+
+    from jaxrl_tools.train.metrics import MetricsLogger
+    from jaxrl_tools.train.scoring import rollout_metrics
+    from jaxrl_tools.types import Trajectory
+
+    recs = [{"difficulty": 0}, {"difficulty": 2}, {"prompt": "no level"}]
+    calls = [0, 1, 1, 1, 0, 0]  # two samples per record
+    trajs = [Trajectory(0, 0, [1], num_tool_calls=n) for n in calls]
+    scores = np.array([1.0, 0.5, 1.0, 0.0, 0.0, 1.0])
+    m = rollout_metrics(trajs, scores, {}, group_size=2, records=recs)
+    assert m["level/0/tool"] == 0.5 and m["level/0/reward"] == 0.75
+    assert m["level/2/tool"] == 1.0 and m["level/2/reward"] == 0.5
+    assert not any(k.startswith("level/") and k.split("/")[1] not in "02" for k in m)
+    logger = MetricsLogger(tmp_path, progress=False)
+    for step in (1, 2):
+        logger.log(step, m)
+    assert logger.plot().stat().st_size > 1000

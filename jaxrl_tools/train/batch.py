@@ -213,7 +213,7 @@ def make_batch(
         filter_groups(scores, group_size, filters, parts), trajectories, group_size
     )
     keep = [g * group_size + j for g in keep_groups for j in range(group_size)]
-    metrics = rollout_metrics(trajectories, scores, parts, group_size=group_size)
+    metrics = rollout_metrics(trajectories, scores, parts, group_size=group_size, records=records)
     metrics["filter/kept_groups_frac"] = len(keep_groups) / max(1, len(records))
     base = None
     if baselines is not None:
@@ -265,6 +265,7 @@ def collect_batch(
     kept_scores: list[np.ndarray] = []
     kept_records: list[Record] = []
     sampled: list[Trajectory] = []
+    sampled_records: list[Record] = []
     all_scores: list[np.ndarray] = []
     all_parts: dict[str, list] = {}
     rows_out: list[dict] = []
@@ -279,6 +280,7 @@ def collect_batch(
         scores, parts = score_trajectories(reward, records, trajs, group_size, step)
         score_s += time.perf_counter() - t0
         sampled.extend(trajs)
+        sampled_records.extend(records)
         all_scores.append(scores)
         for name, values in parts.items():
             all_parts.setdefault(name, []).extend(np.asarray(values).tolist())
@@ -298,7 +300,13 @@ def collect_batch(
             kept.extend(trajs[g * group_size : (g + 1) * group_size])
             kept_scores.append(scores[g * group_size : (g + 1) * group_size])
             kept_records.append(records[g])
-    metrics = rollout_metrics(sampled, np.concatenate(all_scores), all_parts, group_size=group_size)
+    metrics = rollout_metrics(
+        sampled,
+        np.concatenate(all_scores),
+        all_parts,
+        group_size=group_size,
+        records=sampled_records,
+    )
     metrics["filter/sampling_rounds"] = float(rounds)
     metrics["filter/kept_groups_frac"] = len(kept_records) / max(1, groups_seen)
     metrics["filter/batch_fill"] = len(kept_records) / max(1, need)

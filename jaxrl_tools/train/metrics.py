@@ -191,22 +191,31 @@ class MetricsLogger:
         return rows
 
     def plot(self, path: str | Path | None = None, keys: Sequence[str] = PLOT_KEYS) -> Path | None:
-        """Writes a PNG with one panel per main curve; returns its path."""
+        """Writes a PNG with one panel per main curve (and one per `level/*/` statistic, a line
+        per level); returns its path."""
         if not self.active or not self.history:
             return None
-        keys = [k for k in keys if any(k in r for r in self.history)]
-        if not keys:
+        seen = {k for r in self.history for k in r}
+        panels = [(k, [k]) for k in keys if k in seen]
+        for stat in ("tool", "reward"):
+            by_level = sorted(k for k in seen if k.startswith("level/") and k.endswith(f"/{stat}"))
+            if by_level:
+                panels.append((f"{stat} by level", by_level))
+        if not panels:
             return None
-        cols = min(4, len(keys))
-        rows = math.ceil(len(keys) / cols)
+        cols = min(4, len(panels))
+        rows = math.ceil(len(panels) / cols)
         fig = Figure(figsize=(4 * cols, 3 * rows))  # no pyplot: no global backend state
         axes = fig.subplots(rows, cols, squeeze=False)
-        for ax, key in zip(axes.flat, keys):
-            pts = [(r["step"], r[key]) for r in self.history if key in r]
-            ax.plot(*zip(*pts), marker=".")
-            ax.set_title(key)
+        for ax, (title, lines) in zip(axes.flat, panels):
+            for key in lines:
+                pts = [(r["step"], r[key]) for r in self.history if key in r]
+                ax.plot(*zip(*pts), marker=".", label=key.split("/")[1] if len(lines) > 1 else None)
+            if len(lines) > 1:
+                ax.legend(title="level", fontsize="small")
+            ax.set_title(title)
             ax.set_xlabel("step")
-        for ax in list(axes.flat)[len(keys) :]:
+        for ax in list(axes.flat)[len(panels) :]:
             ax.axis("off")
         fig.tight_layout()
         path = Path(path) if path else self.log_dir / "curves.png"

@@ -89,21 +89,27 @@ def group_reward_metrics(scores: np.ndarray, group_size: int) -> dict:
 
 
 def rollout_metrics(
-    trajectories: Sequence[Trajectory], scores: np.ndarray, parts: dict, *, group_size: int
+    trajectories: Sequence[Trajectory],
+    scores: np.ndarray,
+    parts: dict,
+    *,
+    group_size: int,
+    records: Sequence[Record] | None = None,
 ) -> dict:
     """Reward, accuracy, tool-use and length statistics of a batch of trajectories (`group_size`
     consecutive ones per prompt: the within-group reward spread, and the anchor-state
-    statistics of environment episodes)."""
+    statistics of environment episodes); with their `records`, reward and tool use per
+    "difficulty" where records give one (`level/<d>/...`)."""
     calls = np.array([t.num_tool_calls for t in trajectories], np.float32)
-    records = [r for t in trajectories for r in t.tool_calls]
-    errors = sum(1 for r in records if not r.ok)
+    call_records = [c for t in trajectories for c in t.tool_calls]
+    errors = sum(1 for c in call_records if not c.ok)
     lengths = np.array([len(t.response_ids) for t in trajectories], np.float32)
     out = {
         "reward/mean": float(np.mean(scores)),
         "reward/std": float(np.std(scores)),
         **group_reward_metrics(np.asarray(scores, np.float64), group_size),
         "tools/calls_per_response": float(calls.mean()),
-        "tools/error_rate": errors / max(1, len(records)),
+        "tools/error_rate": errors / max(1, len(call_records)),
         "tools/used_frac": float((calls > 0).mean()),
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max(initial=0)),
@@ -122,6 +128,12 @@ def rollout_metrics(
         for name in sorted({k for m in steps for k in m}):
             out[f"env/{name}"] = float(np.mean([m.get(name, 0.0) for m in steps]))
         out.update(anchor_metrics(trajectories, group_size))
+    if records is not None:
+        levels = np.array([r.get("difficulty", -1) for r in records for _ in range(group_size)])
+        for lv in sorted(set(levels.tolist()) - {-1}):
+            sel = levels == lv
+            out[f"level/{lv}/reward"] = float(np.mean(np.asarray(scores)[sel]))
+            out[f"level/{lv}/tool"] = float((calls[sel] > 0).mean())
     finish: dict[str, int] = {}
     for t in trajectories:
         finish[t.finish_reason] = finish.get(t.finish_reason, 0) + 1

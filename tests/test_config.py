@@ -237,3 +237,19 @@ def test_starpo_updates_once_per_rollout_on_the_kept_groups_as_ragen():
     assert kept_rows == 32
     assert o.ppo_epochs * o.num_mini_batches == 1
     assert kept_rows % o.micro_batch_size == 0
+
+
+def test_artist_format_reward_reads_the_tags_the_rollout_writes():
+    """ARTIST's format reward with other tags than the rollout's scores 0 on every response:
+    caught at load, naming the reward's kwarg."""
+    from jaxrl_tools import configs
+
+    artist = load_config(configs.resolve("artist"))  # named tags, the reward told so
+    assert artist.rollout.tool_tags == "named"
+    i = next(i for i, r in enumerate(artist.reward) if r.name == "artist_format")
+    kwargs = {k: v for k, v in artist.reward[i].kwargs.items() if k != "tool_tags"}
+    terms = [dataclasses.asdict(r) for r in artist.reward]
+    terms[i]["kwargs"] = kwargs
+    with pytest.raises(ConfigError, match=rf"reward\[{i}\]\.kwargs\.tool_tags.*\['python'\]"):
+        load_config(configs.resolve("artist"), [f"reward={terms}"])
+    load_config(configs.resolve("artist"), [f"reward={terms}", "rollout.tool_tags=tool"])

@@ -112,6 +112,7 @@ class RunConfig:
                 _check_choice(spec.name, f"reward[{i}].name", rewards.registered_rewards())
         for i, spec in enumerate(self.tools):
             _check_tool(spec, f"tools[{i}]")
+        self._check_artist_tags(names)
         given = {"values_BT"} if self.critic.enabled else set()
         given.add("baseline_B")  # the sampler's greedy rollout (ReMax)
         if self.env.name is not None:
@@ -172,6 +173,25 @@ class RunConfig:
             raise ConfigError(
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} needs "
                 f"{' and '.join(need)}, which this run does not provide"
+            )
+
+    def _check_artist_tags(self, tool_names: list[str]) -> None:
+        """ARTIST's format reward reads the tags the rollout has the model write: with other
+        tags it scores 0 on every response, silently."""
+        if self.rollout.tool_tags == "tool":
+            want = ["tool"]
+        elif any(":" in t.cls and not t.name for t in self.tools):
+            return  # a user's tool class names itself: known only once it is built
+        else:
+            want = sorted(tool_names)
+        for i, spec in enumerate(self.reward):
+            got = sorted(spec.kwargs.get("tool_tags") or ["tool"])
+            _check(
+                spec.name != "artist_format" or got == want,
+                f"reward[{i}].kwargs.tool_tags",
+                f"is {got}, but rollout.tool_tags={self.rollout.tool_tags!r} has the model tag "
+                f"its calls {want}: the format reward would be 0 on every response; set "
+                f"tool_tags: {want}",
             )
 
     @property

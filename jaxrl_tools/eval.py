@@ -78,6 +78,9 @@ def evaluate(
         success = np.array([t.env_success for t in trajs], np.float64)
         per_problem["env/success_rate"] = success.reshape(-1, g).mean(axis=1).tolist()
     metrics["_per_problem"] = per_problem
+    # The first sample of each level (the report's answers before and after RL), else the first 3.
+    firsts = {lv: int(np.argmax(levels == lv)) for lv in dict.fromkeys(levels.tolist())}
+    shown = sorted(firsts.values()) if len(firsts) > 1 else range(min(3, len(trajs)))
     metrics["_examples"] = [
         {
             "prompt": records[i // g].get("prompt"),
@@ -85,7 +88,7 @@ def evaluate(
             "ground_truth": gts[i],
             "score": float(scores[i]),
         }
-        for i in range(min(3, len(trajs)))
+        for i in shown
     ]
     return metrics
 

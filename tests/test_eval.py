@@ -78,3 +78,6 @@ def test_evaluate_on_a_qa_reward(terms):
         "tools/used_frac": [0.5, 0.0, 1.0],
     }
     assert sampler.calls == [(1, 0.5, 7), (1, 0.5, 8), (1, 0.5, 9)]
+    # The answers a report shows: each level's first sample (c has none: its own).
+    assert [ex["prompt"] for ex in m["_examples"]] == [r["prompt"] for r in RECORDS]
+    assert m["_examples"][2]["response"] == "<search>q</search><answer>Lima</answer>"

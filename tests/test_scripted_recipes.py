@@ -40,8 +40,9 @@ async def slow_search(query: str) -> str:
 
 
 def rows(name, lines, tok, overrides=(), tools=(python,)):
+    """`tools` None: the recipe's own."""
     cfg = load_config(configs.path(name), list(overrides))
-    return scripted_rows(cfg, lines, tools=list(tools), tokenizer=tok)
+    return scripted_rows(cfg, lines, tools=None if tools is None else list(tools), tokenizer=tok)
 
 
 def block(i):
@@ -217,3 +218,22 @@ def test_artist_calls_python_by_its_own_tag(tok):
     old = ["<think>square 12</think><tool>print(12**2)</tool><answer>\\boxed{144}</answer>"]
     (r,) = rows("artist", [{**line, "turns": old}], tok)
     assert r["num_tool_calls"] == 0
+
+
+def test_artist_functions_call_each_function_by_its_own_tag(tok):
+    """ARTIST's function calling (rollout.tool_tags named): <get_weather>{JSON}</get_weather>
+    runs the recipe's function with those arguments, its result comes back in <output>, and
+    the strict format reads the function's tag."""
+    from jaxrl_tools.datasets import tool_world
+
+    city = "Quillan"
+    temp = tool_world.get_weather(city)["temperature"]
+    turns = [
+        f'<think>look it up</think><get_weather>{{"city": "{city}"}}</get_weather>',
+        f"<think>read it</think><answer>{temp}</answer>",
+    ]
+    line = {"prompt": f"How warm is {city}?", "ground_truth": str(temp), "turns": turns}
+    (r,) = rows("artist_functions", [line], tok, tools=None)
+    assert [(c["name"], c["ok"]) for c in r["tool_calls"]] == [("get_weather", True)]
+    assert f'"temperature": {temp}' in r["response_text"].split("<output>")[1]
+    assert r["reward"] == pytest.approx(2.0 + 0.5 + 1.0)

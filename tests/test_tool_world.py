@@ -30,8 +30,10 @@ def functions_executor() -> ToolExecutor:
 
 
 def call(executor, name: str, **arguments) -> dict:
-    parsed = get_parser("artist").parse(
-        f"<think>look it up</think><tool>{json.dumps({'name': name, 'arguments': arguments})}</tool>"
+    """A call as artist_functions has the model write it: the function's own tag."""
+    names = tuple(f.__name__ for f in tool_world.FUNCTIONS)
+    parsed = get_parser("artist", tool_tags="named", tools=names).parse(
+        f"<think>look it up</think><{name}>{json.dumps(arguments)}</{name}>"
     )
     (c,) = parsed.calls
     obs = asyncio.run(executor.execute(c))

@@ -8,14 +8,17 @@ import math
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
+import traceback
 import uuid
 from pathlib import Path
 
 import jax
 import pytest
 import yaml
-from fakes import TINY_RUN_MODEL
+from fakes import FAST_COMPILE, TINY_RUN_MODEL
 
 from jaxrl_tools import check, prompts, records, run, tools
 from jaxrl_tools.cli import main, split_overrides
@@ -502,35 +505,78 @@ def test_check_every_recipe(name, capsys, tmp_path, monkeypatch):
     assert not Path(recipe.trainer.checkpoint_dir).exists()
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "toolrl_grpo",
-        "tool_n1",
-        "search_r1",
-        "deepretrieval_search",
-        "deepretrieval_sql",
-        "deepresearcher",
-        "artist",
-        "artist_functions",
-        "mixed_tools",
-        "torl",
-        "zerotir",
-        "vapo",
-        "drgrpo",
-        "retool",
-        "smollm2_when_to_call",
-    ],
-)
-def test_smoke_train_of_the_tool_recipes(name, capsys, tmp_path, monkeypatch):
+# `train --smoke` of each function-calling, search, retrieval, Python-tool, VAPO and Dr. GRPO
+# recipe; None: the demo recipe (`train --smoke` with no --config).
+SMOKE_TRAINED = [
+    "toolrl_grpo",
+    "tool_n1",
+    "search_r1",
+    "deepretrieval_search",
+    "deepretrieval_sql",
+    "deepresearcher",
+    "artist",
+    "artist_functions",
+    "mixed_tools",
+    "torl",
+    "zerotir",
+    "vapo",
+    "drgrpo",
+    "retool",
+    "smollm2_when_to_call",
+]
+
+
+@pytest.fixture(scope="module")
+def smoke_trained(tmp_path_factory):
+    """Every `train --smoke` below, one after the other in one subprocess (this file run as a
+    script), each in a folder of its own: compiling is most of a smoke run's time, and there
+    LLVM -O0 takes about a third off it (the run, not its numerics, is what is checked)."""
+    d = tmp_path_factory.mktemp("smoke_trained")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+    proc = subprocess.run(
+        [sys.executable, __file__, str(d)], env=env, capture_output=True, text=True, timeout=2400
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return d, json.loads((d / "codes.json").read_text()), proc.stderr
+
+
+def _smoke_train_all(d: Path) -> None:
+    """The subprocess: `train --smoke` of each of SMOKE_TRAINED and of the demo; d/codes.json
+    holds each one's exit status."""
+    codes = {}
+    for name in [*SMOKE_TRAINED, None]:
+        folder = d / (name or "demo")
+        folder.mkdir()
+        os.chdir(folder)
+        argv = ["train", "--smoke"]
+        if name is not None:
+            argv += ["--config", name, *_stand_in_data(folder).get(name, [])]
+        print(f"=== train --smoke: {name or 'demo'}", file=sys.stderr, flush=True)
+        try:
+            codes[name or "demo"] = main(argv)
+        except Exception:  # that recipe's test fails with it, the others still run
+            traceback.print_exc()
+            codes[name or "demo"] = 1
+    (d / "codes.json").write_text(json.dumps(codes))
+
+
+def _smoke_ran(smoke_trained, name: str) -> Path:
+    """The folder `train --smoke` of `name` ran in, after checking that it exited 0."""
+    d, codes, stderr = smoke_trained
+    log = stderr[stderr.index(f"=== train --smoke: {name}\n") :]
+    assert codes[name] == 0, log[:4000]
+    return d / name
+
+
+@pytest.mark.parametrize("name", SMOKE_TRAINED)
+def test_smoke_train_of_the_tool_recipes(name, smoke_trained):
     """`train --smoke` of each function-calling, search, retrieval, Python-tool, VAPO and
     Dr. GRPO recipe: 2 RL steps on its shipped data (or stand-in math files), its tools and
     every reward term."""
-    monkeypatch.chdir(tmp_path)
-    overrides = _stand_in_data(tmp_path).get(name, [])
-    assert main(["train", "--smoke", "--config", name, *overrides]) == 0, capsys.readouterr().err
+    folder = _smoke_ran(smoke_trained, name)
     recipe = load_config(ROOT / "configs" / f"{name}.yaml")
-    out = tmp_path / "runs" / "smoke" / recipe.trainer.run_name
+    out = folder / "runs" / "smoke" / recipe.trainer.run_name
     records = [
         json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()
     ]
@@ -540,13 +586,16 @@ def test_smoke_train_of_the_tool_recipes(name, capsys, tmp_path, monkeypatch):
     assert (out / "checkpoints" / "2").is_dir()
 
 
-def test_smoke_train_runs_two_steps(capsys, tmp_path, monkeypatch):
+def test_smoke_train_runs_two_steps(smoke_trained):
     """`train --smoke` of the demo recipe: SFT, 2 RL steps with the sandbox, a checkpoint, all
     under runs/smoke/grpo_tool_math and nowhere else."""
-    monkeypatch.chdir(tmp_path)
-    assert main(["train", "--smoke"]) == 0, capsys.readouterr().err
-    out = tmp_path / "runs" / "smoke" / "grpo_tool_math"
+    folder = _smoke_ran(smoke_trained, "demo")
+    out = folder / "runs" / "smoke" / "grpo_tool_math"
     assert len((out / "logs" / "metrics.jsonl").read_text().splitlines()) == 2
     assert (out / "checkpoints" / "2").is_dir()
-    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["smoke"]
+    assert sorted(p.name for p in (folder / "runs").iterdir()) == ["smoke"]
     assert prompts.load_tokenizer(out / "tokenizer") is not None
+
+
+if __name__ == "__main__":
+    _smoke_train_all(Path(sys.argv[1]))

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fakes import tiny_run_config
+from fakes import FAST_COMPILE, tiny_run_config
 
 STEPS = 2
 HERE = Path(__file__).resolve().parent
@@ -89,7 +89,9 @@ def _env(devices: int) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     env["JAX_PLATFORMS"] = "cpu"
     flags = env.get("XLA_FLAGS", "")  # the caller's flags, and the devices
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    # -O0: every comparison here is between launches compiled alike (CI time).
+    flags += f" {FAST_COMPILE} --xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = flags.strip()
     env["JAXRL_HEARTBEAT_TIMEOUT_S"] = str(HEARTBEAT_S)
     env["JAXRL_SHUTDOWN_TIMEOUT_S"] = str(HEARTBEAT_S)
     return env
@@ -406,13 +408,11 @@ def _main(config_path: str, out_dir: str, flags: list[str]) -> int:
     import jax
 
     from jaxrl_tools import cli, run
-    from jaxrl_tools.config_loader import config_from_dict
     from jaxrl_tools.rollout import sampler
     from jaxrl_tools.sharding.distributed import to_host
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = config_from_dict(json.loads(Path(config_path).read_text()))
     engine_core = sampler.EngineCore
 
     def scripted_engine(*args, tokenizer, **kwargs):
@@ -433,10 +433,19 @@ def _main(config_path: str, out_dir: str, flags: list[str]) -> int:
         return summary
 
     run.train = train_and_save
-    if not flags and not (out / "init.npz").exists():
-        _, init = run.setup_model(cfg, run.setup_tokenizer(cfg))
-        leaves = jax.tree_util.tree_leaves_with_path(init)
-        np.savez(out / "init.npz", **{jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
+    setup_model = run.setup_model
+
+    def setup_and_save(*args, **kwargs):
+        """The run's own initial params, saved by a single-process run (no second init to
+        compile)."""
+        model_cfg, init = setup_model(*args, **kwargs)
+        if not flags and not (out / "init.npz").exists():
+            leaves = jax.tree_util.tree_leaves_with_path(init)
+            flat = {jax.tree_util.keystr(p): to_host(x) for p, x in leaves}
+            np.savez(out / "init.npz", **flat)
+        return model_cfg, init
+
+    run.setup_model = setup_and_save
     return cli.main(["train", "--config", config_path, *flags])
 
 

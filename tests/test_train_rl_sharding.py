@@ -16,7 +16,7 @@ import os
 import sys
 
 import pytest
-from fakes import VOCAB, fixed_trajectories, run_on_8_devices, tiny_model_config
+from fakes import FAST_COMPILE, VOCAB, fixed_trajectories, run_on_8_devices, tiny_model_config
 
 MESHES = ("2x2x2", "1x4x2")
 # (name, algorithm section, extra config): GRPO with a reference policy (KL in the loss), and
@@ -38,7 +38,9 @@ CASES = [(run, mesh) for run, meshes in RUN_MESHES.items() for mesh in meshes]
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    return run_on_8_devices(__file__, tmp_path_factory.mktemp("trainer_sharding"), timeout=900)
+    out = tmp_path_factory.mktemp("trainer_sharding")
+    # Both sides of every comparison run in the subprocess, compiled alike.
+    return run_on_8_devices(__file__, out, timeout=900, xla_flags=FAST_COMPILE)
 
 
 @pytest.mark.parametrize(("run", "mesh"), CASES)

@@ -11,7 +11,7 @@ from jaxrl_tools.datasets import call_metrics
 from jaxrl_tools.rewards import CompositeReward, is_correct
 from jaxrl_tools.rewards.tool_calls import ground_truth_calls
 from jaxrl_tools.tools import read_tool_calls
-from jaxrl_tools.train.scoring import rollout_metrics, score_trajectories
+from jaxrl_tools.train.scoring import means_by, rollout_metrics, score_trajectories
 from jaxrl_tools.types import Record, Sampler
 
 
@@ -59,16 +59,10 @@ def evaluate(
         metrics[f"reward/pass@{g}"] = float(correct.reshape(-1, g).any(axis=1).mean())
     if kind == "tool_calls":  # function calling: the calls against the ground truth's
         metrics.update(function_call_metrics([t.model_text for t in trajs], gts))
-    levels = np.array([records[i // g].get("difficulty", -1) for i in range(len(trajs))])
-    for lv in sorted(set(levels.tolist()) - {-1}):
-        sel = levels == lv
-        metrics[f"level/{lv}/accuracy"] = float(correct[sel].mean())
-        metrics[f"level/{lv}/tool"] = float(used[sel].mean())
-    kinds = np.array([records[i // g].get("kind", "") for i in range(len(trajs))])
-    for k in sorted(set(kinds.tolist()) - {""}):  # finer than levels, where records name it
-        sel = kinds == k
-        metrics[f"kind/{k}/accuracy"] = float(correct[sel].mean())
-        metrics[f"kind/{k}/tool"] = float(used[sel].mean())
+    levels = [records[i // g].get("difficulty") for i in range(len(trajs))]
+    metrics |= means_by("level", levels, accuracy=correct, tool=used)
+    kinds = [records[i // g].get("kind") for i in range(len(trajs))]  # finer, where named
+    metrics |= means_by("kind", kinds, accuracy=correct, tool=used)
     # Each problem's mean over its samples: the paired standard error of a change needs them.
     per_problem = {
         "reward/accuracy": correct.reshape(-1, g).mean(axis=1).tolist(),
@@ -79,7 +73,9 @@ def evaluate(
         per_problem["env/success_rate"] = success.reshape(-1, g).mean(axis=1).tolist()
     metrics["_per_problem"] = per_problem
     # The first sample of each level (the report's answers before and after RL), else the first 3.
-    firsts = {lv: int(np.argmax(levels == lv)) for lv in dict.fromkeys(levels.tolist())}
+    firsts: dict = {}
+    for i, lv in enumerate(levels):
+        firsts.setdefault(lv, i)
     shown = sorted(firsts.values()) if len(firsts) > 1 else range(min(3, len(trajs)))
     metrics["_examples"] = [
         {

@@ -147,10 +147,8 @@ def make_records(n: int, seed: int, split: str) -> list[dict]:
         if (i % 2 == 1) if split == "eval" else (rng.random() < 0.5):
             level = rng.choice((1, 2))
             q, expr, ans = _tool_question(rng, level)
-            work, kind = (
-                f"To calculate: {expr} = {ans}.",
-                ("multiply-add", "word problem")[level - 1],
-            )
+            work = f"To calculate: {expr} = {ans}."
+            kind = ("multiply-add", "word problem")[level - 1]
         else:
             q, ans, work, kind = _head_question(rng, facts)
             level, expr = 0, ""

@@ -88,6 +88,19 @@ def group_reward_metrics(scores: np.ndarray, group_size: int) -> dict:
     }
 
 
+def means_by(prefix: str, labels: Sequence, **values: np.ndarray) -> dict:
+    """`{prefix}/{label}/{name}`: each of `values` averaged over the samples of each label
+    (samples labelled None are in no group)."""
+    labels = np.array(labels, dtype=object)
+    out = {}
+    for label in sorted({x for x in labels if x is not None}):
+        sel = labels == label
+        out |= {
+            f"{prefix}/{label}/{k}": float(np.mean(np.asarray(v)[sel])) for k, v in values.items()
+        }
+    return out
+
+
 def rollout_metrics(
     trajectories: Sequence[Trajectory],
     scores: np.ndarray,
@@ -129,11 +142,8 @@ def rollout_metrics(
             out[f"env/{name}"] = float(np.mean([m.get(name, 0.0) for m in steps]))
         out.update(anchor_metrics(trajectories, group_size))
     if records is not None:
-        levels = np.array([r.get("difficulty", -1) for r in records for _ in range(group_size)])
-        for lv in sorted(set(levels.tolist()) - {-1}):
-            sel = levels == lv
-            out[f"level/{lv}/reward"] = float(np.mean(np.asarray(scores)[sel]))
-            out[f"level/{lv}/tool"] = float((calls[sel] > 0).mean())
+        levels = [r.get("difficulty") for r in records for _ in range(group_size)]
+        out.update(means_by("level", levels, reward=scores, tool=calls > 0))
     finish: dict[str, int] = {}
     for t in trajectories:
         finish[t.finish_reason] = finish.get(t.finish_reason, 0) + 1

@@ -78,8 +78,8 @@ def test_tool_mix_applies_per_kind(tok):
 
 def test_direct_traces_write_out_the_step_before_the_answer(tok):
     """A direct trace shows its step before the answer, as the model writes it unprompted: the
-    fact's sentence, "7 + 9 = 16." (bare answers taught it to skip the step and get it wrong),
-    the calculation; and arithmetic opens with a word no level-0 trace opens with (one shared
+    fact's sentence, the number read back, the calculation (bare answers taught it to skip the
+    step and get it wrong); and arithmetic opens with a word no level-0 trace opens with (one shared
     opening let RL's push away from direct arithmetic carry the facts onto the tool)."""
     recs = when_to_call.make_records(400, 2, "train")
     sft = SFTSection(tool_mix=0.0, easy_tool_mix=0.0)
@@ -94,6 +94,9 @@ def test_direct_traces_write_out_the_step_before_the_answer(tok):
             assert work == facts[r["prompt"]] and r["ground_truth"] in work
             continue
         step = work.removeprefix("To calculate: ").rstrip(".")
+        if r["kind"] == "reading":  # "Max has 35 cookies.", read back from the question
+            assert step in r["prompt"] and step.split()[2] == r["ground_truth"]
+            continue
         if " > " in step:  # "13 > 7."
             larger, smaller = step.split(" > ")
             assert int(larger) > int(smaller) and larger == r["ground_truth"]
@@ -102,7 +105,7 @@ def test_direct_traces_write_out_the_step_before_the_answer(tok):
         assert eval(lhs) == int(rhs) == int(r["ground_truth"])  # noqa: S307 -- our own digits
     assert openings[1] == {"To"} and "To" not in openings[0] and len(openings[0]) > 3
     kinds = {r["kind"] for r in recs}  # evaluations report each kind
-    assert {"capital", "sum", "larger", "multiply-add", "word problem"} <= kinds
+    assert {"capital", "reading", "larger", "multiply-add", "word problem"} <= kinds
 
 
 def test_boxed_check_numbers_and_words():

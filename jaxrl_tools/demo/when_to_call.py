@@ -51,7 +51,8 @@ _THINGS = ("apples", "books", "coins", "pens", "cards", "balls", "cookies", "sti
 
 class Question(NamedTuple):
     """A level-0 question: its answer, the fact's sentence or the reasoning step as the model
-    writes it unprompted ("The capital of Norway is Oslo.", "7 + 9 = 16."), and its kind."""
+    writes it unprompted ("The capital of Norway is Oslo.", "Max has 35 cookies."), and its
+    kind."""
 
     question: str
     answer: str
@@ -101,20 +102,24 @@ def _in_eval(question: str) -> bool:
 
 
 def _head_question(rng: random.Random, facts: list[Question]) -> Question:
-    """A level-0 question: a fact, or one step of reasoning on small numbers."""
+    """A level-0 question: a fact, a number read back from a story, or one step of reasoning on
+    small numbers. No sums: this model adds one-digit numbers in a story right about half the
+    time (48-57% after the cold start), so a call is worth making there."""
     kind = rng.randrange(4)
     if kind == 0:
         return rng.choice(facts)
-    a, b = rng.randint(2, 9), rng.randint(1, 9)
-    if kind == 1:
-        who, what = rng.choice(_NAMES), rng.choice(_THINGS)
-        q = f"{who} has {a} {what} and gets {b} more. How many {what} does {who} have now?"
-        return Question(q, str(a + b), f"{a} + {b} = {a + b}.", "sum")
+    if kind == 1:  # the word problems' surface with no arithmetic: it reads one number back
+        (w1, w2), (x1, x2) = rng.sample(_NAMES, 2), rng.sample(_THINGS, 2)
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        who, what, n = (w1, x1, a) if rng.random() < 0.5 else (w2, x2, b)
+        q = f"{w1} has {a} {x1} and {w2} has {b} {x2}. How many {what} does {who} have?"
+        return Question(q, str(n), f"{who} has {n} {what}.", "reading")
     if kind == 2:
         n = rng.randint(2, 98)
         m, op = (n + 1, "+") if rng.random() < 0.5 else (n - 1, "-")
         q = f"What number comes {'after' if op == '+' else 'before'} {n}?"
         return Question(q, str(m), f"{n} {op} 1 = {m}.", "next number")
+    a, b = rng.randint(2, 9), rng.randint(1, 9)
     q = f"Which number is larger, {a} or {a + b}?"
     return Question(q, str(a + b), f"{a + b} > {a}.", "larger")
 
@@ -188,8 +193,8 @@ def _final(answer: str) -> str:
 
 def trace_parts(record: dict, use_tool: bool, protocol: str) -> list[tuple[str, bool]]:
     """The response of one trace as (text, trainable) parts: the answer after the step the
-    model writes unprompted (a bare answer taught it to skip the step: 11% of "Lily has 7 balls
-    and gets 9 more"; and with one opening for facts and arithmetic, RL's push away from direct
+    model writes unprompted (bare answers taught it to skip the step and get it wrong; and with one
+    opening for facts and arithmetic, RL's push away from direct
     arithmetic carried facts onto the tool), or a ```python block, the output block the host
     inserts (not trained) and the answer."""
     ans = record["ground_truth"]

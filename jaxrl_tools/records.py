@@ -27,6 +27,7 @@ import jax
 from jaxrl_tools import curation, data, envs, prompts, sharding
 from jaxrl_tools.config import ConfigError, RunConfig
 from jaxrl_tools.demo import function_calling, grid_games, task, when_to_call
+from jaxrl_tools.registry import Registry
 from jaxrl_tools.tools import get_parser
 from jaxrl_tools.tools.search import iter_passages
 
@@ -76,17 +77,15 @@ class Source:
         raise NotImplementedError
 
 
-_SOURCES: dict[str, Source] = {}
+SOURCES: Registry[Source] = Registry("record source")  # its sources are in this module
 
 
 def register_source(name: str) -> Callable[[type[Source]], type[Source]]:
     """Decorator: register a `Source` subclass (one instance) as `name`."""
 
     def deco(cls: type[Source]) -> type[Source]:
-        if name in _SOURCES and type(_SOURCES[name]) is not cls:
-            raise ValueError(f"record source {name!r} is already registered")
         cls.name = name
-        _SOURCES[name] = cls()
+        SOURCES.add(name, cls())
         return cls
 
     return deco
@@ -94,17 +93,12 @@ def register_source(name: str) -> Callable[[type[Source]], type[Source]]:
 
 def list_sources() -> list[str]:
     """The registered source names, sorted."""
-    return sorted(_SOURCES)
+    return SOURCES.names()
 
 
 def get_source(name: str) -> Source:
     """The source registered as `name`; an unknown name is a ValueError naming the valid ones."""
-    try:
-        return _SOURCES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown record source {name!r}; valid: {', '.join(list_sources())}"
-        ) from None
+    return SOURCES.get(name)
 
 
 def source_name(cfg: RunConfig) -> str:

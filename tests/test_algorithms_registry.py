@@ -75,8 +75,8 @@ def test_requires_must_be_field_names():
 
 
 def test_custom_estimator_requirements_enforced(monkeypatch):
-    registry.load_estimators()  # the shipped ones, registered before the registry is copied
-    monkeypatch.setattr(registry, "_ADVANTAGE_ESTIMATORS", dict(registry._ADVANTAGE_ESTIMATORS))
+    registry.ESTIMATORS.load()  # the shipped ones, registered before the registry is copied
+    monkeypatch.setattr(registry.ESTIMATORS, "_entries", dict(registry.ESTIMATORS._entries))
     monkeypatch.setattr(registry, "_REQUIREMENTS", dict(registry._REQUIREMENTS))
 
     @A.register_advantage_estimator("value_baseline", requires=("values_BT",))

@@ -111,10 +111,4 @@ __all__ = [
     "validate_arguments",
 ]
 
-_lazy_getattr, __dir__ = lazy_api(__name__)
-
-
-def __getattr__(name: str) -> object:
-    if name == "TOOL_REGISTRY":  # read through the package: holding every shipped tool
-        _lazy_getattr("load_tools")()
-    return _lazy_getattr(name)
+__getattr__, __dir__ = lazy_api(__name__)

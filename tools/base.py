@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from jaxrl_tools._lazy import import_modules
+from jaxrl_tools.registry import Registry
 
 
 @dataclasses.dataclass
@@ -274,34 +274,25 @@ class Tool:
         """Releases resources (worker pools, files)."""
 
 
-TOOL_REGISTRY: dict[str, type[Tool]] = {}
-# The modules of the shipped tools: every lookup (and `jaxrl_tools.tools.TOOL_REGISTRY`) imports
-# them first.
+# The modules of the shipped tools: every lookup imports them first.
 TOOL_MODULES = ("browse", "calculator", "functions", "mcp", "python_tool", "search")
+TOOL_REGISTRY: Registry[type[Tool]] = Registry("tool class", "jaxrl_tools.tools", TOOL_MODULES)
 
 
 def load_tools() -> None:
     """Imports the shipped tool modules (`TOOL_MODULES`), registering their classes."""
-    import_modules("jaxrl_tools.tools", TOOL_MODULES)
+    TOOL_REGISTRY.load()
 
 
 def register_tool(name: str):
     """Class decorator: makes a Tool subclass constructible by `name` (e.g. from YAML)."""
-
-    def deco(cls):
-        if name in TOOL_REGISTRY and TOOL_REGISTRY[name] is not cls:
-            raise ValueError(f"tool {name!r} already registered by {TOOL_REGISTRY[name]}")
-        TOOL_REGISTRY[name] = cls
-        return cls
-
-    return deco
+    return TOOL_REGISTRY.register(name)
 
 
 def tool_class(class_name: str) -> type[Tool]:
     """The Tool subclass registered as `class_name`, or at a dotted path ("pkg.mod.Class")."""
-    load_tools()
     if class_name in TOOL_REGISTRY:
-        cls = TOOL_REGISTRY[class_name]
+        cls = TOOL_REGISTRY.get(class_name)
     elif "." in class_name:
         mod, _, attr = class_name.rpartition(".")
         try:
@@ -311,7 +302,7 @@ def tool_class(class_name: str) -> type[Tool]:
     else:
         raise ValueError(
             f"unknown tool class {class_name!r}; registered: "
-            f"{sorted(TOOL_REGISTRY)} (or give a dotted path)"
+            f"{TOOL_REGISTRY.names()} (or give a dotted path)"
         )
     if not (isinstance(cls, type) and issubclass(cls, Tool)):
         raise ValueError(f"{class_name!r} is not a Tool subclass")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from jaxrl_tools._lazy import import_modules
+from jaxrl_tools.registry import Registry
 
 CRITIC_FIELD = "values_BT"
 
@@ -16,7 +16,9 @@ CRITIC_FIELD = "values_BT"
 # through any module (not only the package) holds them all.
 ESTIMATOR_MODULES = ("outcome", "critic", "gigpo", "turns")
 
-_ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
+ESTIMATORS: Registry[Callable] = Registry(
+    "advantage estimator", "jaxrl_tools.algorithms", ESTIMATOR_MODULES
+)
 _REQUIREMENTS: dict[str, tuple[str, ...]] = {}
 _OPTIONAL: dict[str, tuple[str, ...]] = {}
 _GROUP_BASELINE: set[str] = set()
@@ -51,9 +53,7 @@ def register_advantage_estimator(
     requires = tuple(requires)
 
     def deco(fn: Callable) -> Callable:
-        if name in _ADVANTAGE_ESTIMATORS and _ADVANTAGE_ESTIMATORS[name] is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        _ADVANTAGE_ESTIMATORS[name] = fn
+        ESTIMATORS.add(name, fn)
         _REQUIREMENTS[name] = requires
         _OPTIONAL[name] = tuple(optional)
         if group_baseline:
@@ -65,27 +65,14 @@ def register_advantage_estimator(
     return deco
 
 
-def load_estimators() -> None:
-    """Imports the shipped estimator modules (`ESTIMATOR_MODULES`), registering their estimators."""
-    import_modules("jaxrl_tools.algorithms", ESTIMATOR_MODULES)
-
-
 def get_advantage_estimator(name: str) -> Callable:
     """The estimator registered as ``name``; unknown names raise ValueError listing valid ones."""
-    load_estimators()
-    try:
-        return _ADVANTAGE_ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; valid: "
-            f"{', '.join(sorted(_ADVANTAGE_ESTIMATORS))}"
-        ) from None
+    return ESTIMATORS.get(name)
 
 
 def list_advantage_estimators() -> list[str]:
     """Sorted registered names."""
-    load_estimators()
-    return sorted(_ADVANTAGE_ESTIMATORS)
+    return ESTIMATORS.names()
 
 
 def estimator_requirements(name: str) -> tuple[str, ...]:
@@ -112,8 +99,7 @@ def needs_critic(name: str) -> bool:
 
 def list_critic_estimators() -> list[str]:
     """Sorted names of the registered estimators that need a critic."""
-    load_estimators()
-    return sorted(n for n, req in _REQUIREMENTS.items() if CRITIC_FIELD in req)
+    return [n for n in ESTIMATORS.names() if CRITIC_FIELD in _REQUIREMENTS[n]]
 
 
 def turn_level(name: str) -> bool:

@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
 
-from jaxrl_tools._lazy import import_modules
+from jaxrl_tools.registry import Registry
 
 
 @dataclasses.dataclass
@@ -69,38 +69,27 @@ class GridEnv(Env):
         return self.render()
 
 
-_ENVS: dict[str, type[Env]] = {}
 # The modules of the shipped environments: every lookup imports them first.
 ENV_MODULES = ("external", "frozenlake", "refine", "sokoban")
-
-
-def load_envs() -> None:
-    """Imports the shipped environment modules (`ENV_MODULES`), registering their classes."""
-    import_modules("jaxrl_tools.envs", ENV_MODULES)
+ENVS: Registry[type[Env]] = Registry("environment", "jaxrl_tools.envs", ENV_MODULES)
 
 
 def register_env(name: str) -> Callable[[type[Env]], type[Env]]:
     def deco(cls):
-        if name in _ENVS:
-            raise ValueError(f"environment {name!r} is already registered")
         cls.name = name
-        _ENVS[name] = cls
+        ENVS.add(name, cls)
         return cls
 
     return deco
 
 
 def env_names() -> tuple[str, ...]:
-    load_envs()
-    return tuple(sorted(_ENVS))
+    return tuple(ENVS.names())
 
 
 def env_class(name: str) -> type[Env]:
     """The class registered as `name` (unknown: a ValueError listing the registered ones)."""
-    load_envs()
-    if name not in _ENVS:
-        raise ValueError(f"unknown environment {name!r}; known: {env_names()}")
-    return _ENVS[name]
+    return ENVS.get(name)
 
 
 def make_env(name: str, **kwargs) -> Env:

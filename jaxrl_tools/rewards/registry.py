@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_tools._lazy import import_modules
 from jaxrl_tools.data import DataError
+from jaxrl_tools.registry import Registry
 from jaxrl_tools.rewards import deadline
 from jaxrl_tools.rewards.answers import CORRECTNESS_CHECKERS, TRUTH_CHECKS, is_correct
 
@@ -90,7 +90,10 @@ def _record_ok(rec: Any) -> bool:
 # Registry
 # --------------------------------------------------------------------------------------------
 
-_REGISTRY: dict[str, RewardFn] = {}
+# The modules of the shipped rewards: every lookup imports them first, so the registry holds
+# them all whichever module it is read through.
+REWARD_MODULES = ("artist", "otc", "outcome", "retrieval", "tool_calls")
+REWARDS: Registry[RewardFn] = Registry("reward", "jaxrl_tools.rewards", REWARD_MODULES, KeyError)
 _SLOW: set[str] = set()
 _GROUP: set[str] = set()
 _CHECKERS: dict[str, str] = {}  # reward name -> the answer checker its accuracy is counted by
@@ -121,9 +124,7 @@ def register_reward(
     def deco(fn: RewardFn) -> RewardFn:
         if name == TIMEOUTS:
             raise ValueError(f"{TIMEOUTS!r} is the name of the timeouts' count; pick another")
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
-            raise ValueError(f"reward {name!r} is already registered")
-        _REGISTRY[name] = fn
+        REWARDS.add(name, fn)
         if slow:
             _SLOW.add(name)
         if group:
@@ -140,34 +141,20 @@ def register_reward(
     return deco
 
 
-# The modules of the shipped rewards: every lookup imports them first, so the registry holds
-# them all whichever module it is read through.
-REWARD_MODULES = ("artist", "otc", "outcome", "retrieval", "tool_calls")
-
-
-def load_rewards() -> None:
-    """Imports the shipped reward modules (`REWARD_MODULES`), registering their rewards."""
-    import_modules("jaxrl_tools.rewards", REWARD_MODULES)
-
-
 def registered_rewards() -> list[str]:
     """Names of all registered rewards, sorted."""
-    load_rewards()
-    return sorted(_REGISTRY)
+    return REWARDS.names()
 
 
 def get_reward(name: str) -> RewardFn:
     """Look up a reward by registry name, or import it from "package.module:function"."""
-    load_rewards()
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            return getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise KeyError(f"cannot import reward {name!r}: {e}") from e
-    raise KeyError(f"unknown reward {name!r}; registered: {registered_rewards()}")
+    if name in REWARDS or ":" not in name:
+        return REWARDS.get(name)
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise KeyError(f"cannot import reward {name!r}: {e}") from e
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,7 +255,7 @@ class CompositeReward:
                     dict(kwargs or {}),
                     fn,
                     # a reward imported by name is not ours to trust with the step's thread
-                    name in _SLOW or name not in _REGISTRY,
+                    name in _SLOW or name not in REWARDS,
                     name in _GROUP,
                     timeout_s,
                     float(limits[1] or 0.0),

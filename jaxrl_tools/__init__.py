@@ -31,20 +31,21 @@ if TYPE_CHECKING:
     from jaxrl_tools.eval import evaluate
     from jaxrl_tools.rollout import EngineCore, RolloutLimits, Sampler, SamplingParams, run_rollouts
     from jaxrl_tools.train.batch import make_batch
-    from jaxrl_tools.train.rl import RLSetup, RLTrainer
+    from jaxrl_tools.train.rl import RLTrainer
+    from jaxrl_tools.train.step import StepSettings
     from jaxrl_tools.types import Batch, Span, ToolCallRecord, Trajectory
 
 __all__ = [
     "Batch",
     "ConfigError",
     "EngineCore",
-    "RLSetup",
     "RLTrainer",
     "RolloutLimits",
     "RunConfig",
     "Sampler",
     "SamplingParams",
     "Span",
+    "StepSettings",
     "ToolCallRecord",
     "Trajectory",
     "evaluate",

@@ -150,7 +150,9 @@ def run_pass_rate(
     samples it did not select on)."""
     from jaxrl_tools import records, run  # noqa: PLC0415 - records orders by curriculum_order
 
-    model_cfg, params, tokenizer = run.load_policy(cfg, from_checkpoint=from_checkpoint, step=step)
+    model_cfg, params, tokenizer, _ = run.load_policy(
+        cfg, from_checkpoint=from_checkpoint, step=step
+    )
     tools, episodes = run.setup_tools(cfg), run.setup_episodes(cfg)
     try:
         sampler = run.make_sampler(cfg, model_cfg, params, tokenizer, tools, episodes=episodes)

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,7 @@ from jaxrl_tools.setup import (
     setup_tokenizer,
     setup_tools,
 )
-from jaxrl_tools.step_config import rl_setup
+from jaxrl_tools.step_config import step_settings
 from jaxrl_tools.tools import ToolExecutor
 from jaxrl_tools.train import rl_loop, sft, trackers
 from jaxrl_tools.train.metrics import MetricsLogger, public, step_split, write_json
@@ -45,6 +45,22 @@ from jaxrl_tools.train.rl import RLTrainer
 log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------- pieces
+
+
+def policy_engine(cfg: RunConfig, model_cfg, params, tokenizer, mesh=None, **options):
+    """The run's decode engine (`make_engine`: `rollout.engine` unless `options` name another;
+    the rest of `options` go to its class) on the rollout mesh, in the run's dtypes and seed:
+    the sampler's, and both servers'."""
+    return make_engine(
+        model_cfg,
+        params,
+        tokenizer,
+        cfg.rollout,
+        mesh=make_rollout_mesh(cfg, mesh),
+        seed=cfg.trainer.seed,
+        dtypes=cfg.model.dtypes,
+        **options,
+    )
 
 
 def make_sampler(
@@ -56,17 +72,8 @@ def make_sampler(
         if tools
         else None
     )
-    engine = make_engine(
-        model_cfg,
-        params,
-        tokenizer,
-        r,
-        mesh=make_rollout_mesh(cfg, mesh),
-        seed=cfg.trainer.seed,
-        dtypes=cfg.model.dtypes,
-    )
     return Sampler(
-        engine,
+        policy_engine(cfg, model_cfg, params, tokenizer, mesh),
         tokenizer,
         executor,
         r,
@@ -77,14 +84,14 @@ def make_sampler(
 
 
 def make_trainer(cfg: RunConfig, model_cfg, params, mesh=None) -> RLTrainer:
-    setup = rl_setup(cfg)  # one mapping, so that `plan` lowers the step trained here
     return RLTrainer(
-        model_cfg,
+        step_settings(cfg, model_cfg),  # one mapping, so that `plan` lowers the step trained here
         params,
-        algorithm=cfg.algorithm,
-        optim=cfg.optim,
-        critic=cfg.critic,
-        setup=setup,
+        rows=cfg.update_rows,
+        seed=cfg.trainer.seed,
+        lora_decode=cfg.model.lora.decode,
+        # After SFT the base is not model.path's weights: a resumed run needs it back.
+        checkpoint_base=cfg.sft.enabled,
         mesh=mesh,
         adapters=import_adapters(cfg, model_cfg),
     )
@@ -339,19 +346,31 @@ def _gguf_dtype(fmt: str, out: str) -> str | None:
     return fmt.removeprefix("gguf-")
 
 
-def load_policy(cfg: RunConfig, *, from_checkpoint: bool, step: int | None = None):
-    """(model config, params, tokenizer) of a run's checkpoint, or of `model.path`."""
+class Policy(NamedTuple):
+    """A policy to decode with, and what it is (for logs)."""
+
+    model_cfg: models.ModelConfig
+    params: Any
+    tokenizer: Any
+    source: str
+
+
+def load_policy(
+    cfg: RunConfig, *, from_checkpoint: bool, step: int | None = None, mesh=None
+) -> Policy:
+    """The policy of a run's checkpoint, or of `model.path` (a random tiny model without one),
+    for eval, pass-rate and both servers."""
     if from_checkpoint:
-        model_cfg, params, tokenizer, _ = restore_policy(cfg, step)
-        return model_cfg, params, tokenizer
+        model_cfg, params, tokenizer, step = restore_policy(cfg, step)
+        return Policy(model_cfg, params, tokenizer, f"{cfg.trainer.checkpoint_dir} step {step}")
     tokenizer = setup_tokenizer(cfg)
-    model_cfg, params = setup_model(cfg, tokenizer, make_mesh(cfg))
-    return model_cfg, params, tokenizer
+    model_cfg, params = setup_model(cfg, tokenizer, make_mesh(cfg) if mesh is None else mesh)
+    return Policy(model_cfg, params, tokenizer, cfg.model.path or "a random tiny model")
 
 
 def evaluate_policy(cfg: RunConfig, *, from_checkpoint: bool, step: int | None = None) -> dict:
     """Held-out evaluation of `model.path` or of a run's checkpoint."""
-    model_cfg, params, tokenizer = load_policy(cfg, from_checkpoint=from_checkpoint, step=step)
+    model_cfg, params, tokenizer, _ = load_policy(cfg, from_checkpoint=from_checkpoint, step=step)
     tools = setup_tools(cfg)
     episodes = setup_episodes(cfg)
     try:

@@ -33,7 +33,6 @@ import numpy as np
 from jaxrl_tools import prompts, run
 from jaxrl_tools.config import ConfigError, RunConfig
 from jaxrl_tools.rollout.sampling import SamplingParams
-from jaxrl_tools.shapes import next_pow2
 
 log = logging.getLogger(__name__)
 
@@ -229,31 +228,23 @@ def _server_class(server_lib):
     return Server
 
 
-def make_engine(cfg: RunConfig, model_cfg, params, tokenizer, mesh=None):
-    """The JetStream engine of a run's policy: its slots and lengths, eval sampling settings,
+def jetstream_engine(cfg: RunConfig, model_cfg, params, tokenizer, mesh=None):
+    """The run's engine as JetStream's (`run.policy_engine`), with the eval sampling settings,
     prompts rendered through the chat template with the recipe's system prompt."""
-    from jaxrl_tools.rollout.jetstream import DecodeEngine  # noqa: PLC0415  (the [serve] extra)
-
     r = cfg.rollout
-    prefill = next_pow2(r.max_prompt_len, 16)
     sampling = SamplingParams(
         temperature=r.eval_temperature,
         top_k=r.top_k if r.eval_temperature > 0 else 0,
         top_p=r.top_p if r.eval_temperature > 0 else 1.0,
     )
-    dtypes = cfg.model.dtypes
-    engine = DecodeEngine(
+    engine = run.policy_engine(
+        cfg,
         model_cfg,
-        params,  # cast to dtype once, by the engine
-        slots=r.slots,
-        max_len=prefill + r.max_response_len,
-        max_prefill_length=prefill,
-        tokenizer=tokenizer,
-        mesh=mesh,
-        dtype=dtypes.compute_dtype,
-        cache_dtype=dtypes.cache_dtype,
+        params,
+        tokenizer,
+        mesh,
+        engine="jetstream",
         sampling=sampling,
-        seed=cfg.trainer.seed,
         # JetStream stops a request when the length after a generate call passes max_tokens,
         # dropping that call's tokens: one token per call keeps max_tokens exact.
         steps_per_generate=1,
@@ -339,17 +330,6 @@ class ToolServer:
             self.stop()
 
 
-def load_policy(cfg: RunConfig, from_checkpoint: bool, step: int | None, mesh):
-    """(model config, params, tokenizer, what it is) of the policy to serve: the run's
-    checkpoint, or `model.path` (a random tiny model without one)."""
-    if from_checkpoint:
-        model_cfg, params, tokenizer, step = run.restore_policy(cfg, step)
-        return model_cfg, params, tokenizer, f"{cfg.trainer.checkpoint_dir} step {step}"
-    tokenizer = run.setup_tokenizer(cfg)
-    model_cfg, params = run.setup_model(cfg, tokenizer, mesh)
-    return model_cfg, params, tokenizer, cfg.model.path or "a random tiny model"
-
-
 def start_server(
     cfg: RunConfig,
     *,
@@ -370,7 +350,9 @@ def start_server(
     from jetstream.core import server_lib  # noqa: PLC0415  (after the logging fix-up above)
 
     mesh = run.make_mesh(cfg)
-    model_cfg, params, tokenizer, what = load_policy(cfg, from_checkpoint, step, mesh)
+    model_cfg, params, tokenizer, what = run.load_policy(
+        cfg, from_checkpoint=from_checkpoint, step=step, mesh=mesh
+    )
     if tools:
         started = run.setup_tools(cfg)
         sampler = run.make_sampler(cfg, model_cfg, params, tokenizer, started, mesh)
@@ -380,7 +362,7 @@ def start_server(
         where = address(host, port)
         log.info("serving %s on %s with tools run server-side: %s", what, where, names)
         return server
-    engine = make_engine(cfg, model_cfg, params, tokenizer, mesh)
+    engine = jetstream_engine(cfg, model_cfg, params, tokenizer, mesh)
     driver = _driver_class(orchestrator)(
         prefill_engines=[engine],
         generate_engines=[engine],

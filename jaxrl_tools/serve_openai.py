@@ -22,7 +22,7 @@ from jaxrl_tools.config import ConfigError, RunConfig
 from jaxrl_tools.gateway.chat import TemplateChat
 from jaxrl_tools.gateway.engine_backend import EngineBackend
 from jaxrl_tools.rollout.loop import RolloutLimits
-from jaxrl_tools.rollout.sampler import declares_tools, make_engine
+from jaxrl_tools.rollout.sampler import declares_tools
 from jaxrl_tools.tools import get_parser
 
 log = logging.getLogger(__name__)
@@ -58,19 +58,12 @@ def build_app(
 ):
     """The policy's ASGI app and its backend (`aclose` it when done)."""
     from jaxrl_tools.gateway.app import make_app  # noqa: PLC0415 -- starlette: [agents]
-    from jaxrl_tools.serve import load_policy  # noqa: PLC0415 -- (serve's gRPC imports are lazy)
 
     mesh = run.make_mesh(cfg)
-    model_cfg, params, tokenizer, what = load_policy(cfg, from_checkpoint, step, mesh)
-    engine = make_engine(
-        model_cfg,
-        params,
-        tokenizer,
-        cfg.rollout,
-        mesh=run.make_rollout_mesh(cfg, mesh),
-        seed=cfg.trainer.seed,
-        dtypes=cfg.model.dtypes,
+    model_cfg, params, tokenizer, what = run.load_policy(
+        cfg, from_checkpoint=from_checkpoint, step=step, mesh=mesh
     )
+    engine = run.policy_engine(cfg, model_cfg, params, tokenizer, mesh)
     protocol = cfg.rollout.protocol
     parser = get_parser(protocol) if protocol != "none" and declares_tools(protocol) else None
     limits = RolloutLimits(max_response_tokens=engine.max_len, chunk_size=cfg.rollout.chunk_size)

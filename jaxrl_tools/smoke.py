@@ -23,7 +23,6 @@ from jaxrl_tools import models, records, sharding
 from jaxrl_tools.config import ConfigError, RunConfig, TinyModelConfig
 from jaxrl_tools.config_loader import apply_overrides
 from jaxrl_tools.demo.tokenizer import build_mismatch
-from jaxrl_tools.shapes import next_pow2
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ def smoke_config(cfg: RunConfig, overrides: Sequence[str] = ()) -> RunConfig:
     r, d, o, s, t = cfg.rollout, cfg.data, cfg.optim, cfg.sft, cfg.trainer
     model_type, keep = _family(cfg)
     max_response_len = min(r.max_response_len, MAX_RESPONSE_LEN)
-    positions = next_pow2(r.max_prompt_len, 16) + max_response_len
+    positions = r.prefill_len + max_response_len
     if cfg.model.path is None:
         tiny = cfg.model.tiny
         tiny = dataclasses.replace(

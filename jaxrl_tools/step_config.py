@@ -1,4 +1,4 @@
-"""A run config's RL step: the trainer's setup, the step's settings and its shapes.
+"""A run config's RL step: the step's settings and its shapes.
 
 One mapping of the config's sections, used by `run.make_trainer` (the step trained) and `plan`
 (the step compiled on abstract shapes): both get the very same `train.step.RLStep` object.
@@ -9,8 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl_tools import models
-from jaxrl_tools.train.rl import RLSetup
-from jaxrl_tools.train.step import RLStep, make_rl_step
+from jaxrl_tools.train.step import RLStep, StepSettings, make_rl_step
 
 
 def model_config(cfg) -> models.ModelConfig:
@@ -28,23 +27,21 @@ def model_config(cfg) -> models.ModelConfig:
     )
 
 
-def rl_setup(cfg) -> RLSetup:
-    """The trainer's setup of a run config (`run.make_trainer` builds its trainer with it)."""
-    return RLSetup(
-        rows=cfg.update_rows,
+def step_settings(cfg, model_cfg: models.ModelConfig) -> StepSettings:
+    """The RL step's settings of a run config: the trainer's (`run.make_trainer`) and `plan`'s."""
+    return StepSettings(
+        model=model_cfg,
+        algorithm=cfg.algorithm,
+        optim=cfg.optim,
+        critic=cfg.critic,
         group_size=cfg.rollout.group_size,
         temperature=cfg.rollout.temperature,
         max_response_len=cfg.rollout.max_response_len,
         total_steps=cfg.trainer.steps,
-        seed=cfg.trainer.seed,
         remat=cfg.model.remat_policy if cfg.model.remat else False,
         dtypes=cfg.model.dtypes,
         attention=cfg.model.attention,
-        pack=cfg.optim.pack,
         lora=cfg.model.lora.config,
-        lora_decode=cfg.model.lora.decode,
-        # After SFT the base is not model.path's weights: a resumed run needs it back.
-        checkpoint_base=cfg.sft.enabled,
         on_nonfinite=cfg.trainer.on_nonfinite,
     )
 
@@ -58,17 +55,15 @@ def run_step(cfg, mesh=None, rules=None, model_cfg: models.ModelConfig | None = 
       model_cfg: the architecture (default: `model_config(cfg)`).
     """
     model_cfg = model_config(cfg) if model_cfg is None else model_cfg
-    settings = rl_setup(cfg).step_settings(model_cfg, cfg.algorithm, cfg.optim, cfg.critic)
-    return make_rl_step(settings, mesh, rules)
+    return make_rl_step(step_settings(cfg, model_cfg), mesh, rules)
 
 
 def run_shapes(cfg) -> dict:
     """plan_memory's shape arguments for one RL step of the run."""
     r = cfg.rollout
-    prefill = max(16, 1 << (r.max_prompt_len - 1).bit_length())  # the engine's prompt bucket
     return dict(
         rows=cfg.update_rows,
         seq_len=r.max_prompt_len + r.max_response_len,
         slots=r.slots,
-        cache_len=prefill + r.max_response_len,
+        cache_len=r.context_len,
     )

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from jaxrl_tools.sharding.rules import (
         DEFAULT_RULES,
         LOGICAL_AXES,
+        call_in_mesh,
         constrain,
         current_mesh,
         logical_to_spec,
@@ -34,6 +35,7 @@ __all__ = [
     "LOGICAL_AXES",
     "MESH_AXES",
     "agree",
+    "call_in_mesh",
     "constrain",
     "current_mesh",
     "initialize_distributed",

@@ -143,6 +143,15 @@ def use_mesh(mesh: Mesh, rules: Rules | None = None) -> Iterator[Mesh]:
         _CONTEXT.reset(token)
 
 
+def call_in_mesh(mesh: Mesh | None, rules: Rules | None, fn: Callable, *args, **kwargs):
+    """`fn(*args, **kwargs)` inside `use_mesh(mesh, rules)` (the models' activation
+    constraints), or plainly without a mesh (one device)."""
+    if mesh is None:
+        return fn(*args, **kwargs)
+    with use_mesh(mesh, rules):
+        return fn(*args, **kwargs)
+
+
 def current_mesh() -> tuple[Mesh, Rules] | None:
     """The (mesh, rules) set by the innermost `use_mesh`, or None."""
     return _CONTEXT.get()

@@ -55,7 +55,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def served(run_yaml):
-    from jaxrl_tools.serve import make_engine, start_server
+    from jaxrl_tools.serve import jetstream_engine, start_server
 
     cfg = load_config(run_yaml, [])
     port = free_port()
@@ -63,7 +63,7 @@ def served(run_yaml):
     # The reference: the same policy (same seed) in an engine of its own, stepped directly.
     tokenizer = run.setup_tokenizer(cfg)
     model_cfg, params = run.setup_model(cfg, tokenizer)
-    engine = make_engine(cfg, model_cfg, params, tokenizer)
+    engine = jetstream_engine(cfg, model_cfg, params, tokenizer)
     yield port, engine, params, tokenizer
     server.stop()
 

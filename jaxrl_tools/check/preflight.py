@@ -31,7 +31,6 @@ from jaxrl_tools.check.setup import (
     tools_schema,
 )
 from jaxrl_tools.config import ConfigError, RunConfig
-from jaxrl_tools.shapes import next_pow2
 from jaxrl_tools.train.trackers import check_installed
 
 log = logging.getLogger(__name__)
@@ -55,7 +54,7 @@ def _dtype_words(cfg: RunConfig) -> str:
 def _cache_words(cfg: RunConfig, m: models.ModelConfig) -> str:
     """The decode engine's KV cache and its size (as `make_engine` builds it)."""
     r, dtype = cfg.rollout, cfg.model.dtypes.cache_dtype
-    max_len = next_pow2(r.max_prompt_len, 16) + r.max_response_len
+    max_len = r.context_len
     size = models.cache_bytes(m, r.slots, max_len, dtype)
     words = (
         f"KV cache {r.slots} x {max_len} positions {jnp.dtype(dtype).name} = {size / 2**30:.3g} GiB"

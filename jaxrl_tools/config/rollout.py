@@ -11,6 +11,7 @@ from typing import Any
 from jaxrl_tools import envs, tools
 from jaxrl_tools.config.checks import ConfigError, _at_least, _check, _check_choice
 from jaxrl_tools.prompts import PLAIN_FORMAT
+from jaxrl_tools.shapes import next_pow2
 from jaxrl_tools.tools.executor import BUDGET_NOTICE, OVER_BUDGET
 from jaxrl_tools.tools.parsers import ARTIST_TAG_FORMS, declares_tools
 
@@ -162,6 +163,16 @@ class RolloutSection:
             "rollout.mesh",
             f"must look like 'DxFxT' (e.g. '1x1x8') or null, got {self.mesh!r}",
         )
+
+    @property
+    def prefill_len(self) -> int:
+        """The engine's prompt bucket: `max_prompt_len` up to a power of two (>= 16)."""
+        return next_pow2(self.max_prompt_len, 16)
+
+    @property
+    def context_len(self) -> int:
+        """Positions of one engine slot: the prompt bucket and the response."""
+        return self.prefill_len + self.max_response_len
 
     @property
     def mesh_shape(self) -> tuple[int, int, int] | None:

@@ -84,7 +84,7 @@ class EngineBackend:
     """A `Backend` over an engine and the weights it serves.
 
     Args:
-      engine: an `EngineCore` (or the JetStream adapter).
+      engine: an `rollout.engine_protocol.Engine` (`EngineCore`, or JetStream's).
       params: the weights to serve.
       tokenizer: HF tokenizer (stop strings, text).
       model: the name `GET /v1/models` lists.

@@ -46,12 +46,6 @@ class DecodeStep:
             donate_argnums=(1,),
         )
 
-    def _in_mesh(self, fn, *args, **kwargs):
-        if self.mesh is None:
-            return fn(*args, **kwargs)
-        with sharding.use_mesh(self.mesh, self.rules):  # the models' activation constraints
-            return fn(*args, **kwargs)
-
     def __call__(
         self,
         params: Params,
@@ -63,7 +57,9 @@ class DecodeStep:
         attend_len: int | None = None,
     ) -> tuple[DecodeState, StepOutput]:
         """(new state, StepOutput [slots, num_steps]); `state` is donated."""
-        return self._in_mesh(
+        return sharding.call_in_mesh(
+            self.mesh,
+            self.rules,
             self._jitted,
             params,
             state,
@@ -84,7 +80,9 @@ class DecodeStep:
         attend_len: int | None = None,
     ):
         """The step lowered for these arguments (arrays or ShapeDtypeStructs with shardings)."""
-        return self._in_mesh(
+        return sharding.call_in_mesh(
+            self.mesh,
+            self.rules,
             self._jitted.lower,
             params,
             state,

@@ -21,8 +21,8 @@ gateway's sequences and the episodes of agents written as client code (`jaxrl_to
 with a resolver of their own for what an ended segment becomes.
 
 The driver speaks JetStream's Engine API, so the RL loop decodes on any engine with these
-calls (`EngineCore`, or `rollout.jetstream.DecodeEngine`, the same engine as a
-`jetstream.engine.engine_api.Engine`; `rollout.engine` picks one):
+calls (`engine_protocol.Engine`: `EngineCore`, or `rollout.jetstream.DecodeEngine`, the same
+engine as a `jetstream.engine.engine_api.Engine`; `rollout.engine` picks one):
 
 - `prefill` + `insert` (Engine API): a prompt's cache, computed once and inserted as each of its
   G samples with the sample's own key (`insert(..., rng=key, seq_id=index)`);
@@ -143,8 +143,8 @@ async def arun_rollouts(
     running event loop; `run_rollouts` starts one).
 
     Args:
-      engine: an `EngineCore` or `rollout.jetstream.DecodeEngine` (the calls it needs: see the
-        module docstring); its slots and max_len bound the batch.
+      engine: an `engine_protocol.Engine` (`EngineCore` or `rollout.jetstream.DecodeEngine`);
+        its slots and max_len bound the batch.
       params: model params (the engine's, or new ones from training).
       prompts: each a list of token ids, a text (tokenized as it is), or chat messages
         (`prompts.encode_prompt`: the tokenizer's chat template with `tools_schema`).

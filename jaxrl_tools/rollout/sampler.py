@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 from jaxrl_tools import models, prompts, seeds
 from jaxrl_tools.rollout import jetstream
 from jaxrl_tools.rollout.engine import EngineCore
+from jaxrl_tools.rollout.engine_protocol import Engine
 from jaxrl_tools.rollout.loop import RolloutLimits, run_rollouts
 from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.rollout.windowed import run_windowed
-from jaxrl_tools.shapes import next_pow2
 from jaxrl_tools.tools import ToolExecutor, declares_tools, get_parser
 from jaxrl_tools.types import Record, Tokenizer, Trajectory
 
@@ -51,24 +51,27 @@ def make_engine(
     mesh=None,
     seed: int = 0,
     dtypes: models.DTypePolicy | None = None,
+    engine: str | None = None,
+    **options,
 ) -> EngineCore:
     """The `rollout.engine` engine (`ENGINE_CLASSES`), whose slots hold a bucketed `max_prompt_len`
     prompt plus the response; with `dtypes`, it serves the compute-dtype copy of the (master)
-    params and caches in its dtype."""
-    prefill = next_pow2(rollout.max_prompt_len, 16)
+    params and caches in its dtype. `engine` names another class than `rollout.engine`, and
+    `options` go to its constructor (gRPC serving: JetStream's, its sampling)."""
     dtype_kwargs = {}
     if dtypes is not None:
         dtype_kwargs = dict(dtype=dtypes.compute_dtype, cache_dtype=dtypes.cache_dtype)
-    return ENGINE_CLASSES[rollout.engine]()(
+    return ENGINE_CLASSES[engine or rollout.engine]()(
         model_cfg,
         params,
         slots=rollout.slots,
-        max_len=prefill + rollout.max_response_len,
-        max_prefill_length=prefill,
+        max_len=rollout.context_len,
+        max_prefill_length=rollout.prefill_len,
         tokenizer=tokenizer,
         mesh=mesh,
         seed=seed,
         **dtype_kwargs,
+        **options,
     )
 
 
@@ -93,7 +96,7 @@ class Sampler:
 
     def __init__(
         self,
-        engine: EngineCore,
+        engine: Engine,
         tokenizer: Tokenizer,
         executor: ToolExecutor | None,
         settings: RolloutSection,

@@ -30,7 +30,6 @@ from jaxrl_tools.config import ConfigError, RunConfig
 from jaxrl_tools.rollout.resolver import Finish, Resolver, Sample
 from jaxrl_tools.rollout.sampler import rollout_parser
 from jaxrl_tools.rollout.stops import scan_chunk
-from jaxrl_tools.shapes import next_pow2
 from jaxrl_tools.tools import ToolExecutor
 from jaxrl_tools.types import Trajectory
 
@@ -109,7 +108,7 @@ class ScriptedRun:
         self.turn_end = tok.convert_tokens_to_ids(end)
         if self.turn_end not in self.eos_ids:
             self.turn_end = tok.eos_token_id
-        self.ctx_limit = next_pow2(r.max_prompt_len, 16) + r.max_response_len
+        self.ctx_limit = r.context_len
         self.tool_stops = tuple(self.parser.stop_strings) if self.parser else ()
         self.final_stops = tuple(getattr(self.parser, "turn_stops", ()))
 

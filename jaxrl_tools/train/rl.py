@@ -23,7 +23,6 @@ without shardings.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from typing import Any
@@ -33,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_tools import models, sharding
-from jaxrl_tools.config import AlgorithmSection, ConfigError, CriticSection, OptimSection
+from jaxrl_tools.config import ConfigError, OptimSection
 from jaxrl_tools.train import lora
 from jaxrl_tools.train.state import TrainState
 from jaxrl_tools.train.step import RLState, RLStep, StepSettings, make_rl_step
@@ -59,74 +58,6 @@ class NonFiniteUpdate(ConfigError):
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class RLSetup:
-    """What the trainer needs to know of the rest of the run.
-
-    Attributes:
-      rows: sequences per RL step (prompts x group size; x env.max_turns with windowed history,
-        a row per turn): the batch's fixed row count.
-      group_size: G samples per prompt (consecutive rows).
-      temperature: the sampling temperature (log-probs are of the tempered policy).
-      max_response_len: the constant of seq-mean-token-sum-norm aggregation.
-      total_steps: RL steps of the run (the learning-rate schedule's horizon).
-      seed: the RL state's key (mini-batch permutations, LoRA dropout) and fresh adapters'.
-      remat: rematerialise decoder layers in the update (memory for compute): False, True or
-        a `models.transformer.REMAT_POLICIES` name ("layer", "dots").
-      dtypes: the policy's dtype policy (master weights, compute).
-      attention: the attention implementation (`models.attention.IMPLS`).
-      pack: pack sequences back to back into the step's rows (`train.step_inputs`).
-      lora: train LoRA adapters on the frozen policy (`models.LoraConfig`), or None (full
-        fine-tuning).
-      lora_decode: "merged" (the engine gets base + scale * A @ B, merged once per update) or
-        "adapters" (the engine runs the base with the adapters applied: no second copy).
-      checkpoint_base: with LoRA, checkpoint the frozen base too (it is not `model.path`'s
-        weights, e.g. after an SFT stage); otherwise checkpoints hold the adapters only.
-      on_nonfinite: an update with a NaN / inf loss, gradient or update norm: "stop" (the caller
-        ends the run: `RLTrainer.diverged`) or "skip_step" (the update is dropped in the jitted
-        step, the state kept, and counted in `*/skipped_updates`).
-    """
-
-    rows: int
-    group_size: int
-    temperature: float = 1.0
-    max_response_len: int = 1024
-    total_steps: int = 1
-    seed: int = 0
-    remat: bool | str = False
-    dtypes: models.DTypePolicy = models.DTypePolicy()
-    attention: str = "auto"
-    pack: bool = False
-    lora: models.LoraConfig | None = None
-    lora_decode: str = "merged"
-    checkpoint_base: bool = False
-    on_nonfinite: str = "stop"
-
-    def step_settings(
-        self,
-        model_cfg: models.ModelConfig,
-        algorithm: AlgorithmSection,
-        optim: OptimSection,
-        critic: CriticSection,
-    ) -> StepSettings:
-        """The RL step's settings of this setup and the run's sections."""
-        return StepSettings(
-            model=model_cfg,
-            algorithm=algorithm,
-            optim=dataclasses.replace(optim, pack=self.pack),
-            critic=critic,
-            group_size=self.group_size,
-            temperature=self.temperature,
-            max_response_len=self.max_response_len,
-            total_steps=self.total_steps,
-            remat=self.remat,
-            dtypes=self.dtypes,
-            attention=self.attention,
-            lora=self.lora,
-            on_nonfinite=self.on_nonfinite,
-        )
-
-
 class RLTrainer:
     """Runs RL steps for one policy (and optional critic).
 
@@ -134,8 +65,15 @@ class RLTrainer:
       model_cfg: the policy architecture.
       params: the initial policy params (a full fine-tune trains these very arrays: the step
         donates them); also the frozen reference policy when KL is on.
-      algorithm, optim, critic: the run's sections.
-      setup: batch shape, temperature, horizon and seed (`RLSetup`).
+      settings: the step's math (`StepSettings`: architecture, sections, G, temperature,
+        horizon, remat, dtypes, attention, LoRA, what a non-finite update does).
+      rows: sequences per RL step (prompts x group size; x env.max_turns with windowed
+        history, a row per turn): the batch's fixed row count.
+      seed: the RL state's key (mini-batch permutations, LoRA dropout) and fresh adapters'.
+      lora_decode: "merged" (the engine gets base + scale * A @ B, merged once per update) or
+        "adapters" (the engine runs the base with the adapters applied: no second copy).
+      checkpoint_base: with LoRA, checkpoint the frozen base too (it is not `model.path`'s
+        weights, e.g. after an SFT stage); otherwise checkpoints hold the adapters only.
       mesh: the device mesh (None: one device).
       rules: logical -> mesh axes table (default `sharding.DEFAULT_RULES`).
       adapters: with `setup.lora`, the adapters to start from (e.g. a PEFT import); None: fresh
@@ -152,36 +90,35 @@ class RLTrainer:
 
     def __init__(
         self,
-        model_cfg: models.ModelConfig,
+        settings: StepSettings,
         params: Any,
         *,
-        algorithm: AlgorithmSection,
-        optim: OptimSection,
-        critic: CriticSection,
-        setup: RLSetup,
+        rows: int,
+        seed: int = 0,
+        lora_decode: str = "merged",
+        checkpoint_base: bool = False,
         mesh=None,
         rules=None,
         adapters: Any = None,
     ):
-        self.setup, self.mesh, self.rules = setup, mesh, rules
-        self.settings = setup.step_settings(model_cfg, algorithm, optim, critic)
-        self.rows = setup.rows
+        self.settings, self.rows, self.mesh, self.rules = settings, rows, mesh, rules
+        self.lora_decode, self.checkpoint_base = lora_decode, checkpoint_base
         self._slots = (0, 0)  # shared prompts: the widest slots so far (`_inputs`)
-        _check_rows(self.rows, optim, mesh, rules)
+        _check_rows(rows, settings.optim, mesh, rules)
         self.step_fn: RLStep = make_rl_step(self.settings, mesh, rules)
         self.rl_state: RLState = create_rl_state(
             self.settings,
             params,
             adapters=adapters,
-            seed=setup.seed,
+            seed=seed,
             shardings=self.step_fn.state_shardings,
             mesh=mesh,
             rules=rules,
         )
         if self.lora is not None:
-            lora.log_setup(self.lora, self.rl_state.actor.params, setup.lora_decode)
+            lora.log_setup(self.lora, self.rl_state.actor.params, lora_decode)
         self._merge = None
-        if self.lora is not None and setup.lora_decode == "merged":
+        if self.lora is not None and lora_decode == "merged":
             frozen_sh = None if mesh is None else self.step_fn.state_shardings.frozen
             merge = lambda base, adapters: models.merge(base, adapters, self.lora)  # noqa: E731
             self._merge = jax.jit(merge, out_shardings=frozen_sh)
@@ -238,15 +175,11 @@ class RLTrainer:
             if self._merge is None:
                 view = models.with_lora(self.base, adapters, self.lora)
             else:
-                view = self._in_mesh(self._merge, self.base, adapters)
+                view = sharding.call_in_mesh(
+                    self.mesh, self.rules, self._merge, self.base, adapters
+                )
             self._decode_params = (adapters, view)
         return self._decode_params[1]
-
-    def _in_mesh(self, fn, *args):
-        if self.mesh is None:
-            return fn(*args)
-        with sharding.use_mesh(self.mesh, self.rules):
-            return fn(*args)
 
     # ------------------------------------------------------------------ one RL step
 
@@ -289,7 +222,7 @@ class RLTrainer:
             step_metrics = {k: v for k, v in step_metrics.items() if not k.startswith("actor/")}
         metrics.update(host_metrics, **step_metrics)
         if self.lora is not None:  # which weights the engine decodes with (see `params`)
-            metrics["lora/merged_decode"] = float(self.setup.lora_decode == "merged")
+            metrics["lora/merged_decode"] = float(self.lora_decode == "merged")
         t_update = time.perf_counter() - t0
         metrics["time/update_s"] = t_update
         metrics["throughput/update_tokens_per_s"] = (
@@ -310,7 +243,7 @@ class RLTrainer:
     def diverged(self, metrics: dict) -> str | None:
         """The step's update metrics (loss, gradient and update norms) that are not finite, as
         text; None when all are, or with `on_nonfinite: skip_step` (such updates were dropped)."""
-        if self.setup.on_nonfinite != "stop":
+        if self.settings.on_nonfinite != "stop":
             return None
         bad = [
             f"{k}={v}"
@@ -333,7 +266,7 @@ class RLTrainer:
             state["critic"] = s.critic
         if s.frozen is not None and self.lora is None:
             state["ref"] = s.frozen
-        if self.lora is not None and self.setup.checkpoint_base:
+        if self.lora is not None and self.checkpoint_base:
             state["base"] = s.frozen
         return state
 

@@ -243,23 +243,24 @@ class RLStep:
                 donate_argnums=0,
             )
 
-    def _in_mesh(self, fn, *args):
-        if self.mesh is None:
-            return fn(*args)
-        with sharding.use_mesh(self.mesh, self.rules):  # the models' activation constraints
-            return fn(*args)
-
     def __call__(self, state: RLState, batch: dict) -> tuple[RLState, dict[str, jax.Array]]:
         """(next state, metrics): `state`'s trained part is donated (its arrays are invalid
         afterwards); its frozen policy is passed through."""
-        trained, metrics = self._in_mesh(
-            self._jitted, state.replace(frozen=None), state.frozen, batch
+        trained, metrics = sharding.call_in_mesh(
+            self.mesh, self.rules, self._jitted, state.replace(frozen=None), state.frozen, batch
         )
         return trained.replace(frozen=state.frozen), metrics
 
     def lower(self, state: RLState, batch: dict):
         """The step lowered for `state` and `batch` (arrays or ShapeDtypeStructs)."""
-        return self._in_mesh(self._jitted.lower, state.replace(frozen=None), state.frozen, batch)
+        return sharding.call_in_mesh(
+            self.mesh,
+            self.rules,
+            self._jitted.lower,
+            state.replace(frozen=None),
+            state.frozen,
+            batch,
+        )
 
     def lower_shapes(self, rows: int, seq_len: int, *, step_len: int = 4):
         """The step lowered on its abstract state and a batch of `rows` sequences filling all
@@ -283,11 +284,11 @@ class RLStep:
 
     def advantages(self, state: RLState, batch: dict) -> jax.Array:
         """The advantages this step computes for `batch` on the rows' tokens (no update)."""
-        return self._in_mesh(self._advantages, state, batch)
+        return sharding.call_in_mesh(self.mesh, self.rules, self._advantages, state, batch)
 
     def logprobs(self, params: Any, seqs: dict) -> tuple[jax.Array, jax.Array]:
         """The step's micro-batched forward: (log-probs, entropies) [R, T] of `seqs`."""
-        return self._in_mesh(self._logprobs, params, seqs)
+        return sharding.call_in_mesh(self.mesh, self.rules, self._logprobs, params, seqs)
 
     @functools.cached_property
     def _advantages(self):

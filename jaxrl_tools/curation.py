@@ -182,30 +182,3 @@ def run_pass_rate(
     finally:
         run.close_tools(tools)
         run.close_episodes(episodes)
-
-
-def command(cfg: RunConfig, args) -> None:
-    """`jaxrl-tools pass-rate` (its arguments and the policy's check in cli.py): runs, prints."""
-    band = parse_band(args.keep)
-    if args.samples < 2:
-        raise ConfigError(f"--samples={args.samples}: a pass rate needs at least 2 samples")
-    if Path(args.output).exists() or not Path(args.output).parent.is_dir():
-        raise ConfigError(
-            f"--output {args.output}: give a new file in an existing folder (nothing is "
-            "overwritten)"
-        )
-    out = run_pass_rate(
-        cfg,
-        samples=args.samples,
-        band=band,
-        output=args.output,
-        from_checkpoint=args.checkpoint,
-        step=args.step,
-        recheck=args.recheck,
-    )
-    print(
-        f"jaxrl-tools pass-rate: kept {out['kept']} of {out['prompts']} prompts with a pass rate "
-        f"in {band[0]:g}..{band[1]:g} over {args.samples} samples -> {args.output}"
-    )
-    for key, value in out.items():
-        print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")

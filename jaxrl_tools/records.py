@@ -26,8 +26,8 @@ import jax
 
 from jaxrl_tools import curation, data, envs, prompts, sharding
 from jaxrl_tools.config import ConfigError, RunConfig
-from jaxrl_tools.demo import function_calling, grid_games, task, when_to_call
 from jaxrl_tools.registry import Registry
+from jaxrl_tools.tasks import function_calling, grid_games, tool_arithmetic, when_to_call
 from jaxrl_tools.tools import get_parser
 from jaxrl_tools.tools.search import iter_passages
 
@@ -166,21 +166,24 @@ class TaskSource(Source):
     def records(self, cfg, split):
         if cfg.data.task == "when_to_call":
             return when_to_call.task_records(cfg.data, split)
-        return task.task_records(cfg.data, cfg.rollout.protocol, split)
+        return tool_arithmetic.task_records(cfg.data, cfg.rollout.protocol, split)
 
     def tokenizer_texts(self, cfg):  # the declarations (and requests and answers)
         if cfg.data.task == "when_to_call":
             return when_to_call.tokenizer_texts(cfg.data)
         if cfg.data.task == "function_calling":
             return function_calling.tokenizer_texts()
-        return task.tokenizer_texts(cfg.rollout.protocol) + super().tokenizer_texts(cfg)
+        return tool_arithmetic.tokenizer_texts(cfg.rollout.protocol) + super().tokenizer_texts(cfg)
 
     def trace_error(self, cfg):
         # function_calling traces answer in ToolRL's format, whatever the protocol
-        if cfg.data.task == "tool_arithmetic" and cfg.rollout.protocol not in task.TRACE_PROTOCOLS:
+        if (
+            cfg.data.task == "tool_arithmetic"
+            and cfg.rollout.protocol not in tool_arithmetic.TRACE_PROTOCOLS
+        ):
             return (
                 f"sft.enabled with generated traces needs rollout.protocol in "
-                f"{list(task.TRACE_PROTOCOLS)}, not {cfg.rollout.protocol!r}: give "
+                f"{list(tool_arithmetic.TRACE_PROTOCOLS)}, not {cfg.rollout.protocol!r}: give "
                 "sft.train_files, change the protocol, or set sft.enabled=false"
             )
         if cfg.data.task == "when_to_call" and cfg.rollout.protocol not in when_to_call.PROTOCOLS:
@@ -202,7 +205,7 @@ class TaskSource(Source):
                 system_prompt=cfg.data.system_prompt,
                 seed=cfg.data.shuffle_seed,
             )
-        return task.task_sft_traces(cfg.data, cfg.sft, cfg.rollout.protocol, tokenizer)
+        return tool_arithmetic.task_sft_traces(cfg.data, cfg.sft, cfg.rollout.protocol, tokenizer)
 
 
 @register_source("files")
@@ -246,7 +249,7 @@ class VerifiersSource(Source):
         return f"verifiers taskset {cfg.data.verifiers['taskset']!r} ({split})"
 
     def records(self, cfg, split):
-        from jaxrl_tools.rollout import verifiers_envs  # noqa: PLC0415 -- the [verifiers] extra
+        from jaxrl_tools.agents import verifiers_envs  # noqa: PLC0415 -- the [verifiers] extra
 
         return verifiers_envs.records(cfg.data.verifiers, split)
 

@@ -21,8 +21,8 @@ import jax
 
 from jaxrl_tools import envs, models, prompts, records, sharding
 from jaxrl_tools.config import ConfigError, RunConfig, TrainerSection
-from jaxrl_tools.demo.tokenizer import build_mismatch, build_tokenizer
 from jaxrl_tools.rewards import CompositeReward
+from jaxrl_tools.tasks.tokenizer import build_mismatch, build_tokenizer
 from jaxrl_tools.tools import McpServer, SandboxPool, create_tool
 from jaxrl_tools.train.checkpoint import Checkpointer
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from jaxrl_tools import models, records, sharding
 from jaxrl_tools.config import ConfigError, RunConfig, TinyModelConfig
 from jaxrl_tools.config_loader import apply_overrides
-from jaxrl_tools.demo.tokenizer import build_mismatch
+from jaxrl_tools.tasks.tokenizer import build_mismatch
 
 log = logging.getLogger(__name__)
 

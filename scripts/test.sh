@@ -14,5 +14,6 @@ export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 # One worker per core (at most 4: each holds a JAX runtime); a file's tests stay on one worker,
 # so a module's expensive fixture (an 8-device run, a trained tokenizer) is built once. Files are
 # handed out in tests/conftest.py's order, longest first: xdist's own reorder (by test count)
-# started the longest file, test_multihost.py, 30 minutes into the run.
-"$VENV/bin/pytest" -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder tests "$@"
+# started the longest file, test_multihost.py, 30 minutes into the run. --durations: where the
+# time goes, in the CI log.
+"$VENV/bin/pytest" -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations=25 tests "$@"

@@ -14,15 +14,15 @@ import pytest
 from fakes import free_or_forced_hook, tiny_model_config
 
 from jaxrl_tools import models
+from jaxrl_tools.agents.rollouts import AgentError
 from jaxrl_tools.config import FiltersSection, RolloutSection
-from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.gateway import Completion, Generation
 from jaxrl_tools.gateway.chat import TemplateChat
 from jaxrl_tools.gateway.engine_backend import EngineBackend
 from jaxrl_tools.rewards import CompositeReward
 from jaxrl_tools.rollout import RolloutLimits, Sampler
-from jaxrl_tools.rollout.agents import AgentError
 from jaxrl_tools.rollout.engine import EngineCore
+from jaxrl_tools.tasks.tokenizer import build_tokenizer
 from jaxrl_tools.tools import ToolCall, ToolExecutor, function_tool, get_parser
 from jaxrl_tools.train.batch import make_batch
 from jaxrl_tools.train.scoring import score_trajectories
@@ -584,7 +584,7 @@ def test_agent_settings_that_cannot_work_are_one_line_errors(tmp_path):
     with pytest.raises(
         ConfigError, match=r"rollout.agent='nowhere:run' cannot be loaded: No module named"
     ):
-        from jaxrl_tools.rollout.agents import load_agent
+        from jaxrl_tools.agents.rollouts import load_agent
 
         load_agent("nowhere:run")
     with pytest.raises(ConfigError, match=r"must be an async function"):

@@ -25,8 +25,8 @@ from jaxrl_tools.cli import main, split_overrides
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import load_config
 from jaxrl_tools.datasets.pretrained import PRETRAINED
-from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.smoke import smoke_config
+from jaxrl_tools.tasks.tokenizer import build_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted(Path(p).stem for p in glob.glob(str(ROOT / "configs" / "*.yaml")))

@@ -17,8 +17,8 @@ from jaxrl_tools.data import (
     load_sft_traces,
     loader_from_config,
 )
-from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.prompts import render_prompt, select_tools
+from jaxrl_tools.tasks.tokenizer import build_tokenizer
 from jaxrl_tools.tools import PythonTool
 
 

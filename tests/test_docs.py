@@ -4,8 +4,8 @@ every shipped recipe is in the README's table. So a rename or a removed command 
 instead of leaving the docs pointing at nothing.
 
 Nothing is imported or run: importing `jaxrl_tools.cli` loads jax and most of the package (seconds),
-so the subcommands are read from its source with `ast` (the names given to `command(...)` and
-`add_parser(...)` in `main`), and `prepare`'s targets from the datasets' and models' tables.
+so the subcommands are read with `ast` (`jaxrl_tools/commands/__init__.py`'s `COMMANDS`), and
+`prepare`'s targets from the datasets' and models' tables.
 """
 
 import ast
@@ -88,8 +88,12 @@ def _string_args(path: Path, callee: str) -> set[str]:
 
 @cache
 def subcommands() -> frozenset[str]:
-    cli = ROOT / "jaxrl_tools" / "cli.py"
-    return frozenset(_string_args(cli, "command") | _string_args(cli, "add_parser"))
+    """`commands.COMMANDS` (module names; `pass_rate` is `pass-rate`), read without importing."""
+    tree = ast.parse((ROOT / "jaxrl_tools" / "commands" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "COMMANDS":
+            return frozenset(m.replace("_", "-") for m in ast.literal_eval(node.value))
+    raise AssertionError("jaxrl_tools/commands/__init__.py assigns no COMMANDS")
 
 
 @cache
@@ -139,7 +143,9 @@ def test_named_paths_exist(page):
 def test_commands_exist(page):
     code = _code(page.read_text())
     unknown = sorted(set(COMMAND.findall(code)) - subcommands())
-    assert not unknown, f"`jaxrl-tools <command>` with no such subcommand in cli.py: {unknown}"
+    assert not unknown, (
+        f"`jaxrl-tools <command>` with no such subcommand in jaxrl_tools/commands: {unknown}"
+    )
     unknown = sorted(set(PREPARE.findall(code)) - prepare_targets())
     assert not unknown, f"`jaxrl-tools prepare <target>` that prepare does not know: {unknown}"
     recipes = {p.stem for p in (ROOT / "configs").glob("*.yaml")}

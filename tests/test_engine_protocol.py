@@ -16,7 +16,7 @@ from jaxrl_tools.rollout.jetstream import DecodeEngine
 ROOT = Path(__file__).resolve().parents[1] / "jaxrl_tools"
 CALLERS = (
     "rollout/loop.py",
-    "rollout/agents.py",
+    "agents/rollouts.py",
     "rollout/sampler.py",
     "gateway/engine_backend.py",
     "serve.py",

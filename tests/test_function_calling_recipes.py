@@ -12,11 +12,11 @@ from transformers import PreTrainedTokenizerFast
 
 from jaxrl_tools.config import DataSection, SFTSection
 from jaxrl_tools.datasets import call_metrics, generate
-from jaxrl_tools.demo import function_calling as fc
-from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.eval import evaluate
 from jaxrl_tools.prompts import render_prompt
 from jaxrl_tools.rewards import CompositeReward, TrajectoryInfo, get_reward
+from jaxrl_tools.tasks import function_calling as fc
+from jaxrl_tools.tasks.tokenizer import build_tokenizer
 from jaxrl_tools.train.scoring import score_trajectories
 from jaxrl_tools.types import Span, Trajectory
 

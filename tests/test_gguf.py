@@ -24,8 +24,8 @@ from fakes import tiny_run_config
 from jaxrl_tools import models, run
 from jaxrl_tools.cli import main
 from jaxrl_tools.config_loader import load_config
-from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.models import gguf_io, gguf_vocab
+from jaxrl_tools.tasks.tokenizer import build_tokenizer
 
 Q = gguf.GGMLQuantizationType
 # Every 2-D tensor of the file gets the next of these (K-quants: random valid blocks).

@@ -8,11 +8,11 @@ import pytest
 
 from jaxrl_tools import prompts
 from jaxrl_tools.cli import main
-from jaxrl_tools.demo import grid_games
-from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.envs import Episodes, parse_turn
 from jaxrl_tools.envs.episodes import window_text
 from jaxrl_tools.envs.oracle import shortest_plan
+from jaxrl_tools.tasks import grid_games
+from jaxrl_tools.tasks.tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -153,6 +153,51 @@ def test_package_arrows_follow_the_floors():
     assert not gone, f"fixed, so remove from KNOWN_UPWARD: {gone}"
 
 
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_package_or_file_cycle():
+    files: dict[str, set[str]] = {}
+    packages: dict[str, set[str]] = {}
+    modules = _modules()
+    for module, path in modules.items():
+        for target in _top_level_imports(ast.parse(path.read_text(), str(path))):
+            if target in modules and target != module:
+                files.setdefault(module, set()).add(target)
+                a, b = _floor_name(module), _floor_name(target)
+                if a and b and a != b:
+                    packages.setdefault(a, set()).add(b)
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert not _cycles(packages), f"packages importing each other: {_cycles(packages)}"
+    assert not _cycles(files), f"files importing each other: {_cycles(files)}"
+
+
 def _tuple_assigned(path: Path, name: str) -> tuple:
     for node in ast.parse(path.read_text()).body:
         targets = [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])

@@ -4,9 +4,9 @@ import time
 
 import pytest
 
-from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.prompts import chat_continuation
 from jaxrl_tools.rollout.stops import first_stop
+from jaxrl_tools.tasks.tokenizer import build_tokenizer
 from jaxrl_tools.tools import (
     ParseResult,
     get_parser,

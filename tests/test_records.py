@@ -13,7 +13,7 @@ import pytest
 from jaxrl_tools import data, records
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import config_from_dict
-from jaxrl_tools.demo.tokenizer import build_tokenizer
+from jaxrl_tools.tasks.tokenizer import build_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,8 +126,8 @@ def test_the_training_path_loads_data_without_the_preflight_package():
         "jaxrl_tools.data",
         "jaxrl_tools.train.sft",
         "jaxrl_tools.smoke",
-        "jaxrl_tools.demo.task",
-        "jaxrl_tools.demo.grid_games",
+        "jaxrl_tools.tasks.tool_arithmetic",
+        "jaxrl_tools.tasks.grid_games",
     ]
     code = (
         f"import sys\nfor m in {loaders}: __import__(m)\nprint('jaxrl_tools.check' in sys.modules)"

@@ -11,7 +11,7 @@ import pytest
 
 from jaxrl_tools import cli, prompts
 from jaxrl_tools.data import load_sft_traces
-from jaxrl_tools.demo.tokenizer import build_tokenizer
+from jaxrl_tools.tasks.tokenizer import build_tokenizer
 from jaxrl_tools.tools import get_parser
 
 FENCE = "```"

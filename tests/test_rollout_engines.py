@@ -17,10 +17,10 @@ from jetstream.engine import engine_api
 from jaxrl_tools import models
 from jaxrl_tools.config import ConfigError, RolloutSection
 from jaxrl_tools.config.rollout import ENGINES
-from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.rollout import EngineCore, RolloutLimits, Sampler, make_engine, run_rollouts
 from jaxrl_tools.rollout.jetstream import DecodeEngine
 from jaxrl_tools.rollout.sampler import ENGINE_CLASSES
+from jaxrl_tools.tasks.tokenizer import build_tokenizer
 from jaxrl_tools.tools import ToolExecutor, function_tool
 
 SCRIPT_LEN = 96

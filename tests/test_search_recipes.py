@@ -14,12 +14,12 @@ import pytest
 
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import load_config
+from jaxrl_tools.contamination import filter_contaminated
 from jaxrl_tools.datasets import search_qa, sql_qa
-from jaxrl_tools.datasets.contamination import filter_contaminated
-from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.records import tokenizer_texts
 from jaxrl_tools.rewards import get_reward, qa_correct
 from jaxrl_tools.setup import setup_tokenizer
+from jaxrl_tools.tasks.tokenizer import build_tokenizer
 from jaxrl_tools.tools import create_tool, get_parser
 from jaxrl_tools.tools.dense import DenseIndex
 from jaxrl_tools.tools.search import BM25Index, PassageStore, build_index, iter_passages

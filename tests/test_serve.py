@@ -22,7 +22,7 @@ from fakes import TINY_RUN_MODEL, tiny_model_config
 
 from jaxrl_tools import prompts, run
 from jaxrl_tools.config_loader import load_config
-from jaxrl_tools.demo.tokenizer import build_tokenizer
+from jaxrl_tools.tasks.tokenizer import build_tokenizer
 
 N = 12  # tokens per request
 

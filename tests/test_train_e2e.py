@@ -17,8 +17,8 @@ from fakes import tiny_model_config
 
 from jaxrl_tools import algorithms, models, run
 from jaxrl_tools.config_loader import config_from_dict
-from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.rollout import EngineCore, Sampler
+from jaxrl_tools.tasks.tokenizer import build_tokenizer
 from jaxrl_tools.tools import ToolExecutor
 from jaxrl_tools.train.batch import make_batch, pad_trajectories
 from jaxrl_tools.train.scoring import score_trajectories

@@ -10,10 +10,10 @@ import pytest
 from test_agents import _enc, _engine, tiny, tok  # noqa: F401 -- scripted engine, fixtures
 
 from jaxrl_tools import cli
+from jaxrl_tools.agents.rollouts import run_agent_rollouts
+from jaxrl_tools.agents.verifiers_envs import episode, records
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.rollout import RolloutLimits
-from jaxrl_tools.rollout.agents import run_agent_rollouts
-from jaxrl_tools.rollout.verifiers_envs import episode, records
 from jaxrl_tools.tools import get_parser
 
 SECTION = {"taskset": "vf-products", "train": {"split": "train"}, "eval": {"split": "test"}}

@@ -1,13 +1,13 @@
-"""The real-model task (jaxrl_tools.demo.when_to_call): records, held-out facts, SFT traces in
+"""The real-model task (jaxrl_tools.tasks.when_to_call): records, held-out facts, SFT traces in
 the zerotir protocol, and the `boxed` answer check."""
 
 import pytest
 
 from jaxrl_tools.config import SFTSection
-from jaxrl_tools.demo import when_to_call
-from jaxrl_tools.demo.tokenizer import build_tokenizer
 from jaxrl_tools.rewards import is_correct
 from jaxrl_tools.rollout.stops import first_stop
+from jaxrl_tools.tasks import when_to_call
+from jaxrl_tools.tasks.tokenizer import build_tokenizer
 from jaxrl_tools.tools import get_parser
 
 

@@ -178,7 +178,7 @@ class DataSection:
     # every epoch; the records need a "pass_rate": `jaxrl-tools pass-rate` writes it).
     curriculum: str | None = None
     # A `verifiers` environment's tasks: {taskset: id, train: {its config}, eval: {...}}; its
-    # episodes are the rollouts (jaxrl_tools/rollout/verifiers_envs.py).
+    # episodes are the rollouts (jaxrl_tools/agents/verifiers_envs.py).
     verifiers: dict[str, Any] | None = None
 
     def __post_init__(self):

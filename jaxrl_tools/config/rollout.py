@@ -75,7 +75,7 @@ class RolloutSection:
     tool_concurrency: int = 8
     eval_temperature: float = 0.0  # 0 = greedy
     eval_group_size: int = 1
-    # An agent written as client code, "package.module:function" (rollout.agents): an async
+    # An agent written as client code, "package.module:function" (agents.rollouts): an async
     # function(client, record) on an in-process OpenAI client over the policy. null: the
     # built-in loop (protocol, tools, environment).
     agent: str | None = None

@@ -27,7 +27,7 @@ ADVANTAGE_INPUT_SOURCES = {
 }
 STEP_INPUTS = {"step_rewards_BS", "step_mask_BS", "anchor_ids_BS", "token_step_BT"}
 # The rollout.agent of data.verifiers: each run one episode of the taskset's environment.
-VERIFIERS_AGENT = "jaxrl_tools.rollout.verifiers_envs:episode"
+VERIFIERS_AGENT = "jaxrl_tools.agents.verifiers_envs:episode"
 
 
 def _default_rewards() -> tuple[RewardSpec, ...]:

@@ -326,7 +326,7 @@ def write_dataset(
     The traces are rendered with `tokenizer`'s chat template (default: the demo tokenizer's,
     Qwen2.5's format) and show `top_k` passages per search, as the search_demo recipe's tool.
     """
-    from jaxrl_tools.demo.tokenizer import build_tokenizer  # noqa: PLC0415 - trains a BPE
+    from jaxrl_tools.tasks.tokenizer import build_tokenizer  # noqa: PLC0415 - trains a BPE
 
     out = Path(out)
     world = make_world(seed)

@@ -1,4 +1,3 @@
-"""The demo: the generated tool-arithmetic task and its SFT traces (`task`), the generated
-function-calling task, its traces and report (`function_calling`), a small Qwen-style tokenizer
-builder (`tokenizer`), the held-out report (`report`), and the `demo` command that runs them
-(`runner`)."""
+"""The demo: the `demo` command that runs a recipe's SFT, RL and reports (`runner`), its
+per-seed spread (`seeds`), the held-out report (`report`), and the agents written as client
+code that demos train (`agent`, `agents/`). The generated tasks are `jaxrl_tools.tasks`."""

@@ -3,7 +3,7 @@ problems, as a markdown table with accuracy and tool use by difficulty."""
 
 from __future__ import annotations
 
-from jaxrl_tools.demo import function_calling
+from jaxrl_tools.tasks import function_calling
 
 
 def _report_row(name: str, m: dict) -> str:

@@ -46,7 +46,7 @@ def completion_of(s: Sample, reason: str, stop_end: int | None, decode, stops) -
 class RequestResolver:
     """What an ended segment of a request becomes: its Completion, handed to the waiting
     caller (`Sample.reply`), and the end of the sample. Subclasses may keep a sample going
-    instead (`rollout.agents`: an agent's next request that continues it)."""
+    instead (`agents.rollouts`: an agent's next request that continues it)."""
 
     def __init__(self, tokenizer, ctx_limit: int, max_response_tokens: int | None = None):
         self.tokenizer, self.ctx_limit = tokenizer, ctx_limit

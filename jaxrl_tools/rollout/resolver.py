@@ -85,7 +85,7 @@ class Sample:
         self.max_new: int | None = None
         self.on_tokens: Callable[[list[int], list[float]], None] | None = None
         self.reply: asyncio.Future | None = None  # a request's Completion, when it ends
-        self.episode: Any = None  # the agent run it belongs to (rollout.agents)
+        self.episode: Any = None  # the agent run it belongs to (agents.rollouts)
         self.owned = True  # this process runs its tools and environment (multi-controller)
         self.seg_start = 0  # response index where the current model segment began
         self.turns = 0  # model segments ended

@@ -131,7 +131,7 @@ class Sampler:
         self._parks, self._in_flight = 0, 0  # the agent loop's scheduling since take_metrics
         self.agent = None
         if settings.agent is not None:
-            from jaxrl_tools.rollout import agents  # noqa: PLC0415 -- openai, starlette: [agents]
+            from jaxrl_tools.agents import rollouts as agents  # noqa: PLC0415 -- openai, starlette: [agents]
 
             self.agent = agents.load_agent(settings.agent)
         self._agent_stats: dict = {}
@@ -218,9 +218,9 @@ class Sampler:
         return trajs
 
     def _agent_rollouts(self, records, group_size, params, sampling, key) -> list[Trajectory]:
-        """The recipe's agent, G runs per record (`rollout.agents`); each record gets its prompt
+        """The recipe's agent, G runs per record (`agents.rollouts`); each record gets its prompt
         as chat messages and the recipe's tool declarations."""
-        from jaxrl_tools.rollout import agents  # noqa: PLC0415 -- openai, starlette: [agents]
+        from jaxrl_tools.agents import rollouts as agents  # noqa: PLC0415 -- openai, starlette: [agents]
 
         given = []
         for rec in records:

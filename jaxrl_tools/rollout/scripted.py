@@ -42,7 +42,7 @@ def text_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
     from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
 
-    from jaxrl_tools.demo import tokenizer as demo  # noqa: PLC0415
+    from jaxrl_tools.tasks import tokenizer as demo  # noqa: PLC0415
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))

@@ -22,7 +22,7 @@ from jaxrl_tools.demo.agents import MAX_TURNS, calculate
 async def agent(client, record: dict) -> None:
     from smolagents import LogLevel, OpenAIServerModel, Tool, ToolCallingAgent  # noqa: PLC0415
 
-    from jaxrl_tools.rollout.agents import http_base_url  # noqa: PLC0415
+    from jaxrl_tools.agents.rollouts import http_base_url  # noqa: PLC0415
 
     class Calculate(Tool):
         name = "calculate"

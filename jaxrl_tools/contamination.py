@@ -7,7 +7,7 @@ trains on questions that need the tools, not on what the model memorised.
 or, with a run config's policy (`model.path`, its tokenizer and chat template, the recipe's
 system prompt and sampling temperature, no tools) and its reward's answer checker:
 
-    python -m jaxrl_tools.datasets.contamination --config search_r1 --k 10 \\
+    python -m jaxrl_tools.contamination --config search_r1 --k 10 \\
         --input data/nq_hotpotqa_train.jsonl --output data/nq_hotpotqa_train.clean.jsonl
 
 The output keeps the input's lines as they were (jsonl), minus the dropped ones.

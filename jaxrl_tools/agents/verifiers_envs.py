@@ -22,8 +22,8 @@ import json
 import sys
 from contextlib import AsyncExitStack
 
+from jaxrl_tools.agents import rollouts as agents
 from jaxrl_tools.config import ConfigError
-from jaxrl_tools.rollout import agents
 
 HARNESS_ID = "jaxrl-gateway"  # the harness verifiers loads for our episodes (see `_verifiers`)
 

@@ -1,4 +1,4 @@
-"""Tests for jaxrl_tools.demo.tokenizer: byte-level round trip, special tokens, Qwen chat template."""
+"""Tests for jaxrl_tools.tasks.tokenizer: byte-level round trip, special tokens, Qwen chat template."""
 
 import json
 
@@ -6,13 +6,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from jaxrl_tools.config import ConfigError
-from jaxrl_tools.demo.tokenizer import (
+from jaxrl_tools.prompts import load_tokenizer
+from jaxrl_tools.tasks.tokenizer import (
     ALL_ADDED_TOKENS,
     SPECIAL_TOKENS,
     TOOL_TOKENS,
     build_tokenizer,
 )
-from jaxrl_tools.prompts import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests for jaxrl_tools.demo.task: generated arithmetic problems and SFT traces."""
+"""Tests for jaxrl_tools.tasks.tool_arithmetic: generated arithmetic problems and SFT traces."""
 
 import dataclasses
 import json
@@ -7,7 +7,10 @@ import pytest
 
 from jaxrl_tools import rewards
 from jaxrl_tools.config import RolloutSection
-from jaxrl_tools.demo.task import (
+from jaxrl_tools.prompts import chat_continuation
+from jaxrl_tools.rollout import Sampler
+from jaxrl_tools.tasks.tokenizer import build_tokenizer
+from jaxrl_tools.tasks.tool_arithmetic import (
     TRACE_PROTOCOLS,
     make_problems,
     printed,
@@ -16,9 +19,6 @@ from jaxrl_tools.demo.task import (
     trace_messages,
     write_jsonl,
 )
-from jaxrl_tools.demo.tokenizer import build_tokenizer
-from jaxrl_tools.prompts import chat_continuation
-from jaxrl_tools.rollout import Sampler
 from jaxrl_tools.tools import PythonTool, ToolExecutor
 
 

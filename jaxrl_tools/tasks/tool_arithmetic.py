@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl_tools.config import DataSection, SFTSection
-from jaxrl_tools.demo import function_calling
 from jaxrl_tools.rollout import declares_tools
+from jaxrl_tools.tasks import function_calling
 from jaxrl_tools.tools import PythonTool, get_parser
 
 TRACE_PROTOCOLS = ("qwen", "torl", "retool")  # protocols traces can be written in

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import hmac
 import json
@@ -87,12 +88,7 @@ from jaxrl_tools.gateway.requests import (
     generations,
     server_error,
 )
-from jaxrl_tools.gateway.streaming import (
-    Run,
-    TextStream,
-    Tokens,
-    generate_all,
-)
+from jaxrl_tools.gateway.streaming import TextStream, Tokens, generate_all, released
 
 log = logging.getLogger(__name__)
 
@@ -206,35 +202,15 @@ class _Gateway:
         streams = [TextStream(self.tokens, g.stop, tags, strip=bool(call.tools)) for g in call.gens]
         for st in streams:
             st.cut = bool(call.opener)  # a forced call: its text is the call's, none is content
-        got: list[list[tuple[int, float]]] = [[] for _ in call.gens]  # tokens received
-        sent = [0] * len(call.gens)  # tokens released (their ids and log-probs)
-        run = Run(self.backend, call.gens)
-        try:
-            async for event in run.events():
-                if event[0] == "tokens":
-                    _, i, ids, lps = event
-                    got[i] += zip(ids, lps)
-                    delta = streams[i].add(ids)
-                    if delta:
-                        new, sent[i] = got[i][sent[i] :], len(got[i])
-                        yield "text", i, delta, [t for t, _ in new], [lp for _, lp in new]
+        async with contextlib.aclosing(released(self.backend, call.gens, streams)) as events:
+            async for event in events:
+                if event[0] == "text":
+                    yield event
                     continue
-                _, i, task = event
-                c: Completion = task.result()
+                _, i, c, ids, lps = event
                 message, finish = await self._reply(call, c)
                 rest = streams[i].finish(message.get("content") or "")
-                yield (
-                    "end",
-                    i,
-                    c,
-                    message,
-                    finish,
-                    rest,
-                    c.token_ids[sent[i] :],
-                    c.logprobs[sent[i] :],
-                )
-        finally:
-            run.cancel()
+                yield "end", i, c, message, finish, rest, ids, lps
 
     # ------------------------------------------------------------------ models
     async def models(self, request: Request) -> Response:

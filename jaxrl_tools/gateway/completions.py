@@ -4,6 +4,7 @@ index * n + j, as OpenAI numbers them)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -12,13 +13,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxrl_tools.gateway.backend import Completion
 from jaxrl_tools.gateway.requests import MAX_CHOICES, MAX_N, MAX_PROMPTS, bad, generations, sampling
 from jaxrl_tools.gateway.streaming import (
     DONE,
-    Run,
     TextStream,
     generate_all,
+    released,
     sse,
     stream_error,
     streaming,
@@ -137,42 +137,23 @@ async def _text_stream(
         return sse({**head, "choices": [{**choice, "token_ids": list(ids), **extra}]})
 
     streams = [TextStream(gw.tokens, g.stop) for g in gens]
-    got: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-    sent = [0] * n
     first = [True] * n
     used = 0
-    run = None
     try:
-        run = Run(gw.backend, gens)
-        async for event in run.events():
-            if event[0] == "tokens":
-                _, i, ids, lps = event
-                got[i] += zip(ids, lps)
-                delta = streams[i].add(ids)
-                if delta:
-                    new = got[i][sent[i] :]
-                    sent[i] = len(got[i])
+        async with contextlib.aclosing(released(gw.backend, gens, streams)) as events:
+            async for event in events:
+                if event[0] == "text":
+                    _, i, delta, ids, lps = event
                     extra = {"prompt_token_ids": list(gens[i].prompt_ids)} if first[i] else {}
                     first[i] = False
-                    yield chunk(i, delta, [t for t, _ in new], [x for _, x in new], **extra)
-                continue
-            _, i, task = event
-            c: Completion = task.result()
-            used += len(c.token_ids)
-            extra = {"prompt_token_ids": list(c.prompt_ids)} if first[i] else {}
-            yield chunk(
-                i,
-                streams[i].finish(c.text),
-                c.token_ids[sent[i] :],
-                c.logprobs[sent[i] :],
-                c.finish_reason,
-                **extra,
-            )
+                    yield chunk(i, delta, ids, lps, **extra)
+                    continue
+                _, i, c, ids, lps = event
+                used += len(c.token_ids)
+                extra = {"prompt_token_ids": list(c.prompt_ids)} if first[i] else {}
+                yield chunk(i, streams[i].finish(c.text), ids, lps, c.finish_reason, **extra)
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage(n_prompt, used)})
     except Exception as e:  # noqa: BLE001 -- the response has started: an error event
         yield stream_error(e, "a completion")
-    finally:
-        if run is not None:
-            run.cancel()
     yield DONE

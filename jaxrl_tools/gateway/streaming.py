@@ -221,6 +221,34 @@ class Run:
                 task.cancel()
 
 
+async def released(
+    backend: Backend, gens: Sequence[Generation], streams: Sequence[TextStream]
+) -> AsyncIterator[tuple]:
+    """The generations run together, each through its `TextStream`: ("text", i, delta, ids,
+    logprobs) as text is released (with the tokens received since the last release), then
+    ("end", i, completion, ids, logprobs) with the tokens never released; the caller finishes
+    `streams[i]` with the final text. Closing it cancels the generations still running. Every
+    streaming route (chat, Responses, Messages, text completions) reads this one loop."""
+    got: list[list[tuple[int, float]]] = [[] for _ in gens]  # tokens received
+    sent = [0] * len(gens)  # tokens released (their ids and log-probs)
+    run = Run(backend, gens)
+    try:
+        async for event in run.events():
+            if event[0] == "tokens":
+                _, i, ids, lps = event
+                got[i] += zip(ids, lps)
+                delta = streams[i].add(ids)
+                if delta:
+                    new, sent[i] = got[i][sent[i] :], len(got[i])
+                    yield "text", i, delta, [t for t, _ in new], [lp for _, lp in new]
+                continue
+            _, i, task = event
+            c: Completion = task.result()
+            yield "end", i, c, c.token_ids[sent[i] :], c.logprobs[sent[i] :]
+    finally:
+        run.cancel()
+
+
 async def generate_all(backend: Backend, gens: Sequence[Generation]) -> list[Completion]:
     tasks = [asyncio.ensure_future(backend.generate(g)) for g in gens]
     try:

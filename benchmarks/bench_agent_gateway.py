@@ -26,9 +26,9 @@ import numpy as np
 
 from jaxrl_tools import models
 from jaxrl_tools.config import RolloutSection
+from jaxrl_tools.engine.core import EngineCore
 from jaxrl_tools.models.config import ModelConfig
 from jaxrl_tools.rollout import Sampler
-from jaxrl_tools.rollout.engine import EngineCore
 from jaxrl_tools.tasks.tokenizer import build_tokenizer
 from jaxrl_tools.tools import ToolCall, ToolExecutor, function_tool
 

@@ -65,8 +65,8 @@ def main():
 
     if not args.system_malloc:
         host.keep_freed_memory()
-    from jaxrl_tools.rollout.engine import EngineCore
-    from jaxrl_tools.rollout.sampling import GREEDY, SamplingParams
+    from jaxrl_tools.engine.core import EngineCore
+    from jaxrl_tools.engine.sampling import GREEDY, SamplingParams
 
     B, P, N = args.batch, args.prompt, args.new
     rng = np.random.default_rng(0)

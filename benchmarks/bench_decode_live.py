@@ -32,8 +32,8 @@ def main():
     import jax
 
     from jaxrl_tools import models
-    from jaxrl_tools.rollout.engine import EngineCore
-    from jaxrl_tools.rollout.sampling import GREEDY
+    from jaxrl_tools.engine.core import EngineCore
+    from jaxrl_tools.engine.sampling import GREEDY
 
     cfg = models.ModelConfig(
         model_type="qwen2",

@@ -28,8 +28,8 @@ from roofline import Roofline  # noqa: E402
 from shapes import PEER_QWEN2  # noqa: E402
 
 from jaxrl_tools import host, models  # noqa: E402
-from jaxrl_tools.rollout.engine import EngineCore  # noqa: E402
-from jaxrl_tools.rollout.sampling import GREEDY  # noqa: E402
+from jaxrl_tools.engine.core import EngineCore  # noqa: E402
+from jaxrl_tools.engine.sampling import GREEDY  # noqa: E402
 from jaxrl_tools.shapes import next_pow2  # noqa: E402
 
 CONFIG = models.ModelConfig.from_hf(PEER_QWEN2)

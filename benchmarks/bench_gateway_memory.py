@@ -21,12 +21,12 @@ import jax
 import openai
 
 from jaxrl_tools import models
+from jaxrl_tools.engine.core import EngineCore
 from jaxrl_tools.gateway.app import make_app
 from jaxrl_tools.gateway.chat import TemplateChat
 from jaxrl_tools.gateway.engine_backend import EngineBackend
 from jaxrl_tools.models.config import ModelConfig
 from jaxrl_tools.rollout import RolloutLimits
-from jaxrl_tools.rollout.engine import EngineCore
 from jaxrl_tools.tasks.tokenizer import build_tokenizer
 
 

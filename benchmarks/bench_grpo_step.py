@@ -72,9 +72,9 @@ class OurGRPO:
 
         from jaxrl_tools import models, rewards, run
         from jaxrl_tools.config_loader import config_from_dict
+        from jaxrl_tools.engine.core import EngineCore
+        from jaxrl_tools.engine.sampling import SamplingParams
         from jaxrl_tools.rollout import RolloutLimits
-        from jaxrl_tools.rollout.engine import EngineCore
-        from jaxrl_tools.rollout.sampling import SamplingParams
 
         if REWARD_NAME not in rewards.registered_rewards():
             rewards.register_reward(REWARD_NAME)(_parity_reward)
@@ -192,8 +192,8 @@ class OurGRPO:
 
     def decode(self, batch: int, greedy: bool, repeats: int) -> list[float]:
         """tokens/s of `run_rollouts` over `batch` prompts x 64 tokens (after one warm-up)."""
+        from jaxrl_tools.engine.sampling import GREEDY
         from jaxrl_tools.rollout import run_rollouts
-        from jaxrl_tools.rollout.sampling import GREEDY
 
         sp = GREEDY if greedy else self.sampling
         out = []

@@ -32,9 +32,9 @@ def main():
     from shapes import PEER_QWEN2
 
     from jaxrl_tools import models
+    from jaxrl_tools.engine.core import EngineCore
+    from jaxrl_tools.engine.sampling import GREEDY
     from jaxrl_tools.rollout import RolloutLimits, run_rollouts
-    from jaxrl_tools.rollout.engine import EngineCore
-    from jaxrl_tools.rollout.sampling import GREEDY
     from jaxrl_tools.tasks.tokenizer import build_tokenizer
     from jaxrl_tools.tools import ToolExecutor, function_tool
 

@@ -3,7 +3,7 @@
 A random model of Qwen2.5-0.5B's shapes (494M parameters, tied, vocab 151,936) runs, on this
 machine, the trainer's update (the actor loss of `train.objectives`, micro-batched gradient
 accumulation, AdamW: `train.state.make_update`) and the engine's decode steps
-(`rollout.engine.EngineCore`), each timed after a warm-up. Each figure is printed against the
+(`engine.core.EngineCore`), each timed after a warm-up. Each figure is printed against the
 roofline measured in the same process (`benchmarks/roofline.py`):
 
   update   FLOPs = 6 x (layer weights + LM head) x tokens + 6 x causal attention
@@ -37,8 +37,8 @@ from shapes import CONFIG_JSON  # noqa: E402
 
 from jaxrl_tools import host, models  # noqa: E402
 from jaxrl_tools.config import AlgorithmSection  # noqa: E402
-from jaxrl_tools.rollout.engine import EngineCore  # noqa: E402
-from jaxrl_tools.rollout.sampling import SamplingParams  # noqa: E402
+from jaxrl_tools.engine.core import EngineCore  # noqa: E402
+from jaxrl_tools.engine.sampling import SamplingParams  # noqa: E402
 from jaxrl_tools.train import objectives  # noqa: E402
 from jaxrl_tools.train.state import create_train_state, make_optimizer, make_update  # noqa: E402
 

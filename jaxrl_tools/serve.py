@@ -3,7 +3,7 @@
 JetStream's own client (``jetstream.core.proto.jetstream_pb2_grpc.OrchestratorStub``) sends a
 ``DecodeRequest``: text, which the server puts through the recipe's chat template (with its
 system prompt) before tokenizing, or token ids, taken as they are. Decoding is the training
-engine's (``rollout.jetstream.DecodeEngine``) with the recipe's eval sampling settings, on the
+engine's (``engine.jetstream.DecodeEngine``) with the recipe's eval sampling settings, on the
 compute-dtype copy of the weights. Part of the ``[serve]`` extra.
 
 With ``tools`` (``jaxrl-tools serve --tools``) the recipe's tools run server-side, in the
@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxrl_tools import prompts, run
 from jaxrl_tools.config import ConfigError, RunConfig
-from jaxrl_tools.rollout.sampling import SamplingParams
+from jaxrl_tools.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -342,7 +342,7 @@ def start_server(
     """Loads the policy (the run's checkpoint, or ``model.path``) and starts the gRPC server on
     ``host:port`` (``stop()``, ``wait_for_termination()``): JetStream's orchestrator, or with
     ``tools`` the agent loop with the recipe's tools run server-side (``tool_servicer``)."""
-    from jaxrl_tools.rollout.jetstream import import_orchestrator  # noqa: PLC0415
+    from jaxrl_tools.engine.jetstream import import_orchestrator  # noqa: PLC0415
 
     if tools and not cfg.tools:  # before anything loads
         raise ConfigError("serve --tools: the recipe declares no tools (its `tools:` section)")

@@ -16,12 +16,12 @@ from fakes import free_or_forced_hook, tiny_model_config
 from jaxrl_tools import models
 from jaxrl_tools.agents.rollouts import AgentError
 from jaxrl_tools.config import FiltersSection, RolloutSection
+from jaxrl_tools.engine.core import EngineCore
 from jaxrl_tools.gateway import Completion, Generation
 from jaxrl_tools.gateway.chat import TemplateChat
 from jaxrl_tools.gateway.engine_backend import EngineBackend
 from jaxrl_tools.rewards import CompositeReward
 from jaxrl_tools.rollout import RolloutLimits, Sampler
-from jaxrl_tools.rollout.engine import EngineCore
 from jaxrl_tools.tasks.tokenizer import build_tokenizer
 from jaxrl_tools.tools import ToolCall, ToolExecutor, function_tool, get_parser
 from jaxrl_tools.train.batch import make_batch

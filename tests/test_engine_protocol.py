@@ -1,4 +1,4 @@
-"""The engine protocol (`rollout.engine_protocol.Engine`): both engines have every call it names
+"""The engine protocol (`engine.protocol.Engine`): both engines have every call it names
 with its parameters, and the code that decodes (the driver, the sampler, the gateway, both
 servers) asks an engine for nothing else, so a third engine that satisfies it can be plugged in."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from fakes import tiny_model_config
 
-from jaxrl_tools.rollout.engine import EngineCore
-from jaxrl_tools.rollout.engine_protocol import Engine
-from jaxrl_tools.rollout.jetstream import DecodeEngine
+from jaxrl_tools.engine.core import EngineCore
+from jaxrl_tools.engine.jetstream import DecodeEngine
+from jaxrl_tools.engine.protocol import Engine
 
 ROOT = Path(__file__).resolve().parents[1] / "jaxrl_tools"
 CALLERS = (

@@ -18,9 +18,9 @@ from fakes import VOCAB, fixed_trajectories, tiny_model_config
 from jaxrl_tools import algorithms, models, run
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import config_from_dict, load_config
+from jaxrl_tools.engine.core import EngineCore
+from jaxrl_tools.engine.sampling import SamplingParams
 from jaxrl_tools.models import peft_io
-from jaxrl_tools.rollout.engine import EngineCore
-from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.sharding import logical_to_spec
 from jaxrl_tools.train import objectives
 from jaxrl_tools.train.batch import make_batch, pad_trajectories

@@ -288,8 +288,8 @@ def test_the_planned_decode_step_is_the_engines_decode_step(monkeypatch):
     engine's `decode_step` (from `make_decode_step`), which its `generate_steps` calls."""
     import numpy as np
 
-    from jaxrl_tools.rollout.decode_step import DecodeStep, make_decode_step
-    from jaxrl_tools.rollout.engine import EngineCore
+    from jaxrl_tools.engine.core import EngineCore
+    from jaxrl_tools.engine.decode_step import DecodeStep, make_decode_step
 
     used = {"lowered": [], "called": []}
     lower, call = DecodeStep.lower, DecodeStep.__call__

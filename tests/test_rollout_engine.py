@@ -11,8 +11,8 @@ import torch
 import transformers
 
 from jaxrl_tools import models
+from jaxrl_tools.engine.sampling import GREEDY, SamplingParams
 from jaxrl_tools.rollout import EngineCore
-from jaxrl_tools.rollout.sampling import GREEDY, SamplingParams
 from jaxrl_tools.shapes import next_pow2
 
 VOCAB = 96
@@ -306,7 +306,7 @@ def jet_model(tmp_path_factory):
 def test_jetstream_engine_api(jet_model):
     from jetstream.engine import engine_api
 
-    from jaxrl_tools.rollout.jetstream import DecodeEngine, HFTokenizer
+    from jaxrl_tools.engine.jetstream import DecodeEngine, HFTokenizer
 
     _, config, params = jet_model
     eng = DecodeEngine(
@@ -333,7 +333,7 @@ def test_jetstream_engine_api(jet_model):
 
 
 def test_jetstream_orchestrator_serves_the_engine(jet_model, tmp_path):
-    from jaxrl_tools.rollout.jetstream import DecodeEngine, import_orchestrator
+    from jaxrl_tools.engine.jetstream import DecodeEngine, import_orchestrator
 
     orchestrator = import_orchestrator()
     from jetstream.core.utils import async_multifuture

@@ -1,4 +1,4 @@
-"""The RL loop on either engine (`rollout.engine`): `EngineCore`, or `rollout.jetstream.
+"""The RL loop on either engine (`rollout.engine`): `EngineCore`, or `engine.jetstream.
 DecodeEngine`, the same engine as a JetStream `Engine` (the [serve] extra). The driver makes
 only Engine-API calls (prefill, insert) and the named extensions the API lacks (N-step
 generate with a pause mask and log-probs, the cache append of observations, park / unpark);
@@ -17,8 +17,8 @@ from jetstream.engine import engine_api
 from jaxrl_tools import models
 from jaxrl_tools.config import ConfigError, RolloutSection
 from jaxrl_tools.config.rollout import ENGINES
+from jaxrl_tools.engine.jetstream import DecodeEngine
 from jaxrl_tools.rollout import EngineCore, RolloutLimits, Sampler, make_engine, run_rollouts
-from jaxrl_tools.rollout.jetstream import DecodeEngine
 from jaxrl_tools.rollout.sampler import ENGINE_CLASSES
 from jaxrl_tools.tasks.tokenizer import build_tokenizer
 from jaxrl_tools.tools import ToolExecutor, function_tool

@@ -20,13 +20,13 @@ from tokenizers import models as tk_models
 
 from jaxrl_tools import models
 from jaxrl_tools.config import ConfigError, RolloutSection
+from jaxrl_tools.engine.core import EngineCore
+from jaxrl_tools.engine.sampling import GREEDY
 from jaxrl_tools.envs import Episodes, FrozenLake, RagenTurns
 from jaxrl_tools.envs.episodes import window_text
 from jaxrl_tools.prompts import chat_continuation, encode_observation
 from jaxrl_tools.rewards import CompositeReward
 from jaxrl_tools.rollout import BUDGET_NOTICE, RolloutLimits, Sampler, run_rollouts
-from jaxrl_tools.rollout.engine import EngineCore
-from jaxrl_tools.rollout.sampling import GREEDY
 from jaxrl_tools.tasks.tokenizer import build_tokenizer
 from jaxrl_tools.tools import Observation, ToolExecutor, function_tool, get_parser
 from jaxrl_tools.train.scoring import score_trajectories

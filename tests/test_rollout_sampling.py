@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_tools.rollout.sampling import (
+from jaxrl_tools.engine.sampling import (
     MODES,
     SamplingParams,
     argmax_first,

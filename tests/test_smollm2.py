@@ -26,10 +26,10 @@ from jaxrl_tools import interop, models, prompts
 from jaxrl_tools.cli import main
 from jaxrl_tools.data import DataError
 from jaxrl_tools.datasets import pretrained
+from jaxrl_tools.engine.sampling import GREEDY
 from jaxrl_tools.interop import reference as torch_reference
 from jaxrl_tools.models import gguf_io
 from jaxrl_tools.rollout import EngineCore
-from jaxrl_tools.rollout.sampling import GREEDY
 
 NAME = "smollm2-135m-instruct"
 FOLDER = Path(os.environ.get("JAXRL_TOOLS_SMOLLM2", Path.home() / ".cache" / "jaxrl-tools" / NAME))

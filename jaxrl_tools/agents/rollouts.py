@@ -44,12 +44,12 @@ from typing import Any
 import jax
 
 from jaxrl_tools.config.checks import agent_function
+from jaxrl_tools.engine.sampling import SamplingParams
 from jaxrl_tools.gateway.backend import BadRequest, Completion, Generation, OnTokens
 from jaxrl_tools.gateway.chat import TemplateChat
 from jaxrl_tools.gateway.engine_backend import EngineBackend, RequestResolver, completion_of
 from jaxrl_tools.rollout.loop import RolloutLimits
 from jaxrl_tools.rollout.resolver import Append, Finish, Sample
-from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.types import AGENT_TIMEOUT, Span, ToolCallRecord, Trajectory
 
 Agent = Callable[[Any, dict], Any]

@@ -66,7 +66,7 @@ class RolloutSection:
     max_parked: int | None = None
     max_obs_tokens: int = 512  # observation cap (head + ... + tail)
     # The engine that decodes (ENGINES): "core" (EngineCore) or "jetstream" (the
-    # same engine as a JetStream Engine, rollout.jetstream.DecodeEngine; the [serve] extra).
+    # same engine as a JetStream Engine, engine.jetstream.DecodeEngine; the [serve] extra).
     engine: str = "core"
     # The engine's own mesh (DxFxT over the trainer's devices, e.g. tensor-parallel decode beside
     # an fsdp update): the weights are resharded onto it after each update. null = trainer.mesh.

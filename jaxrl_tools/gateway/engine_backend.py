@@ -14,10 +14,10 @@ import asyncio
 import jax
 import numpy as np
 
+from jaxrl_tools.engine.sampling import SamplingParams
 from jaxrl_tools.gateway.backend import Completion, Generation, OnTokens
 from jaxrl_tools.rollout.loop import Driver, RolloutLimits
 from jaxrl_tools.rollout.resolver import Finish, Outcome, Sample, model_text
-from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.types import Trajectory
 
 
@@ -84,7 +84,7 @@ class EngineBackend:
     """A `Backend` over an engine and the weights it serves.
 
     Args:
-      engine: an `rollout.engine_protocol.Engine` (`EngineCore`, or JetStream's).
+      engine: an `engine.protocol.Engine` (`EngineCore`, or JetStream's).
       params: the weights to serve.
       tokenizer: HF tokenizer (stop strings, text).
       model: the name `GET /v1/models` lists.

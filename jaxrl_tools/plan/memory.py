@@ -2,7 +2,7 @@
 
 `plan_memory` lowers the very RL step the trainer runs (`train.step.make_rl_step` of the same
 settings: forwards, advantages, every mini-batch update) and one step of the very decode step the
-engine runs (`EngineCore.decode_step`, from `rollout.decode_step.make_decode_step`) on the
+engine runs (`EngineCore.decode_step`, from `engine.decode_step.make_decode_step`) on the
 engine's own decode state (all slots, reading whole cache rows: full occupancy), on
 `jax.ShapeDtypeStruct`s (no weights exist, nothing is allocated), and compiles them for the
 mesh's devices: XLA's `memory_analysis()` of each executable is the memory one device needs for
@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_tools import models, sharding
 from jaxrl_tools.config import AlgorithmSection, CriticSection, OptimSection
-from jaxrl_tools.rollout.engine import EngineCore
+from jaxrl_tools.engine.core import EngineCore
 from jaxrl_tools.train.step import StepSettings, make_rl_step
 
 FUNCTIONS = ("update", "decode")  # what `plan_memory` compiles: the RL step, a decode step

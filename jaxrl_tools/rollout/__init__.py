@@ -1,5 +1,5 @@
-"""Rollout: the decode engine (kernels, EngineCore, the JetStream adapter in `jetstream`),
-sampling, the pure stop scan, the host-side agent loop (`scheduler`: which sample decodes in
+"""Rollout, on the decode engine (`jaxrl_tools.engine`, whose main names it re-exports): the pure
+stop scan, the host-side agent loop (`scheduler`: which sample decodes in
 which slot; `resolver`: what an ended segment becomes; `loop`: the driver over the engine), the
 run's records -> trajectories sampler, and rollouts ahead of the update (`ahead`)."""
 
@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 from jaxrl_tools._lazy import lazy_api
 
 if TYPE_CHECKING:
+    from jaxrl_tools.engine.core import EngineCore
+    from jaxrl_tools.engine.kernels import DecodeState, Prefix, StepOutput
+    from jaxrl_tools.engine.sampling import GREEDY, SamplingParams
     from jaxrl_tools.rollout.ahead import RolloutsAhead
-    from jaxrl_tools.rollout.engine import EngineCore
-    from jaxrl_tools.rollout.kernels import DecodeState, Prefix, StepOutput
     from jaxrl_tools.rollout.loop import BUDGET_NOTICE, RolloutLimits, arun_rollouts, run_rollouts
     from jaxrl_tools.rollout.sampler import Sampler, declares_tools, make_engine
-    from jaxrl_tools.rollout.sampling import GREEDY, SamplingParams
 
 __all__ = [
     "RolloutsAhead",

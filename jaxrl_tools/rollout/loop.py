@@ -21,7 +21,7 @@ gateway's sequences and the episodes of agents written as client code (`jaxrl_to
 with a resolver of their own for what an ended segment becomes.
 
 The driver speaks JetStream's Engine API, so the RL loop decodes on any engine with these
-calls (`engine_protocol.Engine`: `EngineCore`, or `rollout.jetstream.DecodeEngine`, the same
+calls (`engine.protocol.Engine`: `EngineCore`, or `engine.jetstream.DecodeEngine`, the same
 engine as a `jetstream.engine.engine_api.Engine`; `rollout.engine` picks one):
 
 - `prefill` + `insert` (Engine API): a prompt's cache, computed once and inserted as each of its
@@ -52,6 +52,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl_tools.engine.sampling import SamplingParams
 from jaxrl_tools.prompts import encode_prompt
 from jaxrl_tools.rollout import ahead
 from jaxrl_tools.rollout.resolver import (
@@ -62,7 +63,6 @@ from jaxrl_tools.rollout.resolver import (
     Resolver,
     Sample,
 )
-from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.rollout.scheduler import SlotScheduler
 from jaxrl_tools.rollout.stops import scan_chunk
 from jaxrl_tools.sharding.distributed import agree, to_host
@@ -143,7 +143,7 @@ async def arun_rollouts(
     running event loop; `run_rollouts` starts one).
 
     Args:
-      engine: an `engine_protocol.Engine` (`EngineCore` or `rollout.jetstream.DecodeEngine`);
+      engine: an `engine.protocol.Engine` (`EngineCore` or `engine.jetstream.DecodeEngine`);
         its slots and max_len bound the batch.
       params: model params (the engine's, or new ones from training).
       prompts: each a list of token ids, a text (tokenized as it is), or chat messages

@@ -8,11 +8,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from jaxrl_tools import models, prompts, seeds
-from jaxrl_tools.rollout import jetstream
-from jaxrl_tools.rollout.engine import EngineCore
-from jaxrl_tools.rollout.engine_protocol import Engine
+from jaxrl_tools.engine import jetstream
+from jaxrl_tools.engine.core import EngineCore
+from jaxrl_tools.engine.protocol import Engine
+from jaxrl_tools.engine.sampling import SamplingParams
 from jaxrl_tools.rollout.loop import RolloutLimits, run_rollouts
-from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.rollout.windowed import run_windowed
 from jaxrl_tools.tools import ToolExecutor, declares_tools, get_parser
 from jaxrl_tools.types import Record, Tokenizer, Trajectory
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from jaxrl_tools.config import RolloutSection
 
 # The engines that decode the RL loop (`rollout.engine`): `EngineCore`, or the same engine as a
-# `jetstream.engine.engine_api.Engine` (`rollout.jetstream.DecodeEngine`; the [serve] extra,
+# `jetstream.engine.engine_api.Engine` (`engine.jetstream.DecodeEngine`; the [serve] extra,
 # JetStream imported on first use).
 ENGINE_CLASSES: dict[str, Callable[[], type[EngineCore]]] = {
     "core": lambda: EngineCore,

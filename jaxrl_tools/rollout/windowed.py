@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 import jax
 
 from jaxrl_tools.data import DataError
+from jaxrl_tools.engine.sampling import SamplingParams
 from jaxrl_tools.envs.episodes import Episodes, instructions, window_text
 from jaxrl_tools.rollout.loop import RolloutLimits, arun_rollouts
 from jaxrl_tools.rollout.resolver import step_environment
-from jaxrl_tools.rollout.sampling import SamplingParams
 from jaxrl_tools.types import Span, Trajectory
 
 

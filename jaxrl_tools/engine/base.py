@@ -1,6 +1,6 @@
 """What a decode engine is built from (`EngineBase`, the base of `engine.EngineCore`): its
-settings, its serving copy of the weights (`rollout.serving`), its jitted functions (the kernels
-of `rollout.kernels`, the decode step of `rollout.decode_step`), its empty decode state, and the
+settings, its serving copy of the weights (`engine.serving`), its jitted functions (the kernels
+of `engine.kernels`, the decode step of `engine.decode_step`), its empty decode state, and the
 descriptive part of JetStream's Engine API (slots, buckets, mesh, params). The operations on a
 decode state (prefill, insert, generate, writes) are `EngineCore`'s.
 """
@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_tools import models
-from jaxrl_tools.rollout.decode_step import DecodeStep, make_decode_step
-from jaxrl_tools.rollout.kernels import (
+from jaxrl_tools.engine.decode_step import DecodeStep, make_decode_step
+from jaxrl_tools.engine.kernels import (
     DecodeState,
     LogitsHook,
     Params,
@@ -27,11 +27,11 @@ from jaxrl_tools.rollout.kernels import (
     prefill_kernel,
     write_kernel,
 )
-from jaxrl_tools.rollout.sampling import SamplingParams
-from jaxrl_tools.rollout.serving import ServingWeights
+from jaxrl_tools.engine.sampling import SamplingParams
+from jaxrl_tools.engine.serving import ServingWeights
 from jaxrl_tools.shapes import next_pow2
 
-log = logging.getLogger("jaxrl_tools.rollout.engine")  # the engine's log
+log = logging.getLogger("jaxrl_tools.engine.core")  # the engine's log
 
 
 class EngineBase:

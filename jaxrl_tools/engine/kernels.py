@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_tools import models
-from jaxrl_tools.rollout.sampling import sample_tokens, split_keys
+from jaxrl_tools.engine.sampling import sample_tokens, split_keys
 
 Params = Any
 # logits_hook(logits_BV, sampled_B, seq_B, hook_data) -> logits_BV, applied before sampling

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_tools.rollout.sampling import SamplingParams
+from jaxrl_tools.engine.sampling import SamplingParams
 from jaxrl_tools.shapes import next_pow2
 
 

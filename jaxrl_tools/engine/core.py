@@ -1,13 +1,13 @@
 """The decode engine over `jaxrl_tools.models`: a fixed number of slots (rows of one KV cache of
 `max_len` positions), prefill, bucketed writes into live slots, N-step generation.
 
-It implements the methods of JetStream's Engine API; `rollout.jetstream` adds the JetStream base
+It implements the methods of JetStream's Engine API; `engine.jetstream` adds the JetStream base
 class for serving (JetStream imports TensorFlow, so the core and the rollout loop never import
 it). Lengths are bucketed to powers of two (prefill, appends, rows per append) so that jit
 compiles a handful of shapes. The engine's settings, weights, jitted functions and empty state
-are its base's (`rollout.engine_base`); the state and kernels are in `rollout.kernels`, the
-decode step in `rollout.decode_step`, the serving copy of the weights in `rollout.serving`, the
-host side of slot writes in `rollout.slot_writes`.
+are its base's (`engine.base`); the state and kernels are in `engine.kernels`, the
+decode step in `engine.decode_step`, the serving copy of the weights in `engine.serving`, the
+host side of slot writes in `engine.slot_writes`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_tools.rollout.engine_base import EngineBase
-from jaxrl_tools.rollout.kernels import (
+from jaxrl_tools.engine.base import EngineBase
+from jaxrl_tools.engine.kernels import (
     DecodeState,
     Params,
     Parked,
@@ -29,8 +29,8 @@ from jaxrl_tools.rollout.kernels import (
     cache_axis,
     extract_kernel,
 )
-from jaxrl_tools.rollout.sampling import SamplingParams, widest_mode
-from jaxrl_tools.rollout.slot_writes import pack_writes
+from jaxrl_tools.engine.sampling import SamplingParams, widest_mode
+from jaxrl_tools.engine.slot_writes import pack_writes
 from jaxrl_tools.shapes import next_pow2
 from jaxrl_tools.sharding.distributed import to_host
 

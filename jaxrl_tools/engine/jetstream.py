@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import transformers
 
-from jaxrl_tools.rollout.engine import EngineCore
-from jaxrl_tools.rollout.kernels import DecodeState, Params
+from jaxrl_tools.engine.core import EngineCore
+from jaxrl_tools.engine.kernels import DecodeState, Params
 
 
 def _import_jetstream():

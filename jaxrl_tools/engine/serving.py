@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_tools import models, sharding
-from jaxrl_tools.rollout.kernels import Params
+from jaxrl_tools.engine.kernels import Params
 
 
 def _on_mesh(params: Params, mesh) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from jaxrl_tools import sharding
-from jaxrl_tools.rollout.kernels import DecodeState, LogitsHook, Params, StepOutput, generate_kernel
+from jaxrl_tools.engine.kernels import DecodeState, LogitsHook, Params, StepOutput, generate_kernel
 
 
 class DecodeStep:

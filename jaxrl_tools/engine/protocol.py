@@ -12,8 +12,8 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from jaxrl_tools.rollout.kernels import DecodeState, Params, Parked, Prefix, StepOutput
-from jaxrl_tools.rollout.sampling import SamplingParams
+from jaxrl_tools.engine.kernels import DecodeState, Params, Parked, Prefix, StepOutput
+from jaxrl_tools.engine.sampling import SamplingParams
 
 
 class Engine(Protocol):

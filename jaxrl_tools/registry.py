@@ -73,7 +73,3 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
-
-    def __len__(self) -> int:
-        self.load()
-        return len(self._entries)

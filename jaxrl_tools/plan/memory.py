@@ -22,8 +22,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_tools import models, sharding
-from jaxrl_tools.config import AlgorithmSection, CriticSection, OptimSection
+from jaxrl_tools.config import AlgorithmSection, CriticSection, OptimSection, RolloutSection
 from jaxrl_tools.engine.core import EngineCore
+from jaxrl_tools.rollout.sampler import make_engine
 from jaxrl_tools.train.step import StepSettings, make_rl_step
 
 FUNCTIONS = ("update", "decode")  # what `plan_memory` compiles: the RL step, a decode step
@@ -87,17 +88,20 @@ def decode_engine(
     mesh=None,
     rules=None,
 ) -> EngineCore:
-    """The engine (no weights) whose decode step `lower_decode` plans: every slot reads whole
-    cache rows (full occupancy)."""
-    return EngineCore(
+    """The run's engine (`rollout.sampler.make_engine`) without weights, whose decode step
+    `lower_decode` plans: every slot reads whole cache rows (full occupancy). A decode step's
+    shapes do not depend on the prompt bucket: the smallest (16) takes the rest of `cache_len`
+    as the response."""
+    rollout = RolloutSection(slots=slots, max_prompt_len=16, max_response_len=cache_len - 16)
+    return make_engine(
         model_cfg,
-        slots=slots,
-        max_len=cache_len,
-        max_prefill_length=16,
+        None,
+        None,
+        rollout,
         mesh=mesh,
+        dtypes=dtypes,
+        engine="core",
         rules=rules,
-        dtype=dtypes.compute_dtype,
-        cache_dtype=dtypes.cache_dtype,
         live_attention=False,
         unstack_layers=False,
     )

@@ -45,7 +45,7 @@ def rollout_parser(settings: RolloutSection, tools: tuple[str, ...] = ()):
 def make_engine(
     model_cfg,
     params,
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | None,
     rollout: RolloutSection,
     *,
     mesh=None,
@@ -57,7 +57,9 @@ def make_engine(
     """The `rollout.engine` engine (`ENGINE_CLASSES`), whose slots hold a bucketed `max_prompt_len`
     prompt plus the response; with `dtypes`, it serves the compute-dtype copy of the (master)
     params and caches in its dtype. `engine` names another class than `rollout.engine`, and
-    `options` go to its constructor (gRPC serving: JetStream's, its sampling)."""
+    `options` go to its constructor (gRPC serving: JetStream's, its sampling; `plan`: no
+    weights, whole cache rows). `params` None: an engine without weights (`plan` lowers its
+    decode step on abstract ones)."""
     dtype_kwargs = {}
     if dtypes is not None:
         dtype_kwargs = dict(dtype=dtypes.compute_dtype, cache_dtype=dtypes.cache_dtype)

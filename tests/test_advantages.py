@@ -34,6 +34,7 @@ ALL = [
     "reinforce_pp_baseline",
     "remax",
     "rloo",
+    "turn_rloo",
     "vapo",
 ]
 
@@ -146,6 +147,20 @@ def np_kevin(step_r, step_m, token_step, m, G, norm, eps, gamma, group_norm=True
     return a[np.arange(B)[:, None], token_step] * m
 
 
+def np_turn_rloo(step_r, step_m, token_step, m, G, gamma):
+    """turn_rloo: R_{i,t} minus the mean R_{j,t} of the group's other episodes j with a turn t."""
+    B, S = step_r.shape
+    R = np_returns(step_r, step_m, gamma)
+    a = np.zeros((B, S))
+    for b in range(B):
+        g0 = b - b % G
+        for t in range(S):
+            if step_m[b, t]:
+                others = [R[j, t] for j in range(g0, g0 + G) if j != b and step_m[j, t]]
+                a[b, t] = R[b, t] - (sum(others) / len(others) if others else 0.0)
+    return a[np.arange(B)[:, None], token_step] * m
+
+
 def np_gigpo(scores, step_r, step_m, anchors, token_step, m, G, norm, eps, gamma_s, omega):
     B, S = step_r.shape
     a_ep = np_group_norm(scores, G, norm, eps)
@@ -215,6 +230,11 @@ def oracle(name, d, cfg):
             cfg.turn_group_norm,
         )
         return a, a
+    if name == "turn_rloo":
+        a = np_turn_rloo(
+            d["step_rewards_BS"], d["step_mask_BS"], d["token_step_BT"], m, G, cfg.step_gamma
+        )
+        return a, a
     if name == "gigpo":
         a = np_gigpo(
             s,
@@ -273,7 +293,7 @@ def make_config(name, G):
 
 
 # group-free estimators (token returns, GAE) need one group size only
-GROUPED = ["drgrpo", "grpo", "reinforce_pp_baseline", "rloo"]
+GROUPED = ["drgrpo", "grpo", "reinforce_pp_baseline", "rloo", "turn_rloo"]
 CASES = (
     [(f"{n}_G{G}", n, G) for n in GROUPED for G in (1, 3)]
     + [(f"{n}_G2", n, 2) for n in ALL if n not in GROUPED]
@@ -452,3 +472,61 @@ class ErrorTest(chex.TestCase):
     def test_register_duplicate_rejected(self):
         with pytest.raises(ValueError, match="already registered"):
             register_advantage_estimator("grpo")(lambda i, c: None)
+
+
+# Episodes of two lengths: turn 0 stops (reward 0.5) or goes on (0); turn 1 then earns 1 or 0.
+# (actions, rewards) of each of the three possible episodes.
+TOY_EPISODES = (((0,), (0.5,)), ((1, 0), (0.0, 0.0)), ((1, 1), (0.0, 1.0)))
+
+
+def _expected_gradient(name, G, logits):
+    """The policy gradient of `name`'s advantages, (1/G) Σ_i Σ_t A_{i,t} ∇log π(a_{i,t}), summed
+    exactly over every group of G toy episodes with its probability; and the objective's own
+    gradient Σ_e P(e) R(e) ∇log P(e)."""
+    import itertools
+
+    p = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)  # [turn, action]
+
+    def grad_logp(t, a):
+        g = np.zeros_like(logits)
+        g[t] = -p[t]
+        g[t, a] += 1.0
+        return g
+
+    prob = [np.prod([p[t, a] for t, a in enumerate(acts)]) for acts, _ in TOY_EPISODES]
+    true = sum(
+        pe * sum(rew) * sum(grad_logp(t, a) for t, a in enumerate(acts))
+        for pe, (acts, rew) in zip(prob, TOY_EPISODES, strict=True)
+    )
+    groups = list(itertools.product(range(len(TOY_EPISODES)), repeat=G))
+    B, S = len(groups) * G, 2
+    step_r, step_m = np.zeros((B, S), np.float32), np.zeros((B, S), np.float32)
+    for i, e in enumerate(np.ravel(groups)):
+        acts, rew = TOY_EPISODES[e]
+        step_r[i, : len(rew)], step_m[i, : len(acts)] = rew, 1.0
+    inputs = AdvantageInputs(
+        loss_mask_BT=jnp.asarray(step_m),  # one token per turn
+        scores_B=jnp.asarray(step_r.sum(1)),
+        step_rewards_BS=jnp.asarray(step_r),
+        step_mask_BS=jnp.asarray(step_m),
+        token_step_BT=jnp.tile(jnp.arange(S, dtype=jnp.int32), (B, 1)),
+    )
+    cfg = AdvantageConfig(group_size=G, step_gamma=1.0)
+    adv = np.asarray(compute_advantages(name, inputs, cfg)[0], np.float64).reshape(-1, G, S)
+    got = np.zeros_like(logits)
+    for group, a in zip(groups, adv, strict=True):
+        pg = np.prod([prob[e] for e in group])
+        for i, e in enumerate(group):
+            for t, act in enumerate(TOY_EPISODES[e][0]):
+                got += pg * a[i, t] * grad_logp(t, act) / G
+    return got, true
+
+
+@pytest.mark.parametrize("G", [2, 3])
+def test_turn_rloo_gradient_is_unbiased_over_episodes_of_different_lengths(G):
+    logits = np.array([[0.3, -0.2], [-0.4, 0.5]])
+    got, true = _expected_gradient("turn_rloo", G, logits)
+    np.testing.assert_allclose(got, true, rtol=1e-5, atol=1e-7)
+    # GRPO's group baseline holds the episode's own score: its expectation is off.
+    grpo, _ = _expected_gradient("grpo", G, logits)
+    assert np.abs(grpo - true).max() > 0.05 * np.abs(true).max()

@@ -17,6 +17,7 @@ ALL = [
     "reinforce_pp_baseline",
     "remax",
     "rloo",
+    "turn_rloo",
     "vapo",
 ]
 
@@ -33,6 +34,7 @@ def test_requirements_of_the_builtin_estimators():
         "vapo": ("values_BT",),
         "gigpo": ("step_rewards_BS", "step_mask_BS", "anchor_ids_BS", "token_step_BT"),
         "kevin": ("step_rewards_BS", "step_mask_BS", "token_step_BT"),
+        "turn_rloo": ("step_rewards_BS", "step_mask_BS", "token_step_BT"),
     }
     assert {n: A.estimator_requirements(n) for n in ALL} == want
     assert A.list_advantage_estimators() == ALL

@@ -231,6 +231,23 @@ def kevin_oracle(trajs, gamma, group_norm=True):
     return out
 
 
+def turn_rloo_oracle(trajs, gamma):
+    """Each turn's return minus the mean return at that turn of the group's other episodes."""
+    out = []
+    for i, t in enumerate(trajs):
+        group = [j for j in range(i - i % G, i - i % G + G) if j != i]
+        R = {j: returns(trajs[j].env_rewards, gamma) for j in (i, *group)}
+        per_turn = []
+        for k in range(t.num_turns):
+            if k >= len(R[i]):
+                per_turn.append(0.0)  # a turn without an environment step
+                continue
+            peers = [R[j][k] for j in group if k < len(R[j])]
+            per_turn.append(R[i][k] - (np.mean(peers) if peers else 0.0))
+        out.append(per_turn)
+    return out
+
+
 def trainer_advantages(cfg, batch):
     """The advantages the trainer's step computes for `batch` (captured before the update)."""
     model_cfg = tiny_model_config()
@@ -407,7 +424,7 @@ def windowed(trajs, rng):
     return out
 
 
-@pytest.mark.parametrize("estimator", ["gigpo", "kevin", "grpo"])
+@pytest.mark.parametrize("estimator", ["gigpo", "kevin", "turn_rloo", "grpo"])
 def test_windowed_turn_rows_get_their_episodes_turn_advantages(estimator):
     """With windowed history every turn is a row of its own; each row's tokens get the
     advantage the estimator gives that turn of its episode (the NumPy oracles above)."""
@@ -434,6 +451,8 @@ def test_windowed_turn_rows_get_their_episodes_turn_advantages(estimator):
         per_turn = gigpo_oracle(eps, scores, 0.95, 0.7)
     elif estimator == "kevin":
         per_turn = kevin_oracle(eps, 0.4)
+    elif estimator == "turn_rloo":
+        per_turn = turn_rloo_oracle(eps, 0.95)
     else:
         ep = np.concatenate([norm(scores[i : i + G]) for i in range(0, 8, G)])
         per_turn = [[ep[i]] * t.num_turns for i, t in enumerate(eps)]

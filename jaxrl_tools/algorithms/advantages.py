@@ -33,7 +33,7 @@ Estimators (formulas in docs/METHODS.md), by module:
   outcome.py   grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, remax
   critic.py    gae, vapo (need ``values_BT``)
   gigpo.py     gigpo (step-level, anchor-state groups)
-  turns.py     kevin (discounted per-turn returns)
+  turns.py     kevin (discounted per-turn returns), turn_rloo (a per-turn leave-one-out baseline)
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class AdvantageConfig:
       whiten: gae/vapo whiten the policy advantages over the batch (verl does).
       vapo_alpha: α of VAPO's length-adaptive λ_policy = 1 − 1/(α·|o|).
       critic_lam: λ for the critic's returns in vapo (1.0).
-      step_gamma: γ of GiGPO's discounted step returns (0.95 in the paper).
+      step_gamma: γ of the discounted step returns of gigpo (0.95 in the paper) and turn_rloo.
       gigpo_omega: ω weighting the step-level advantage.
       turn_gamma: γ of Kevin's per-turn returns R_t = s_t + γ·R_{t+1} (0.4 in Kevin).
       turn_group_norm: kevin normalises the turn returns over the prompt's group (Kevin does).

@@ -1,4 +1,7 @@
-"""Kevin (Kevin-32B, arXiv 2507.11948): discounted per-turn returns of multi-turn refinement.
+"""Per-turn advantages of multi-turn episodes: Kevin's normalised turn returns, and turn_rloo's
+leave-one-out baseline per turn.
+
+Kevin (Kevin-32B, arXiv 2507.11948): discounted per-turn returns of multi-turn refinement.
 
 Each turn t of a trajectory has a score s_t (the environment's reward of that turn); its return
 is R_t = s_t + γ·R_{t+1} (γ = ``config.turn_gamma``, 0.4 in Kevin), so a turn is credited with
@@ -57,6 +60,34 @@ def kevin(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[jax.Array, 
             norm = norm / (std + config.eps)
         norm = jnp.where((hi == lo) & ~single, 0.0, norm)  # all-equal group: exactly 0
         a = jnp.where(v, norm, 0.0).reshape(B, S)
+    idx = jnp.clip(inputs.token_step_BT.astype(jnp.int32), 0, S - 1)
+    a_tok = jnp.take_along_axis(a, idx, axis=1) * inputs.loss_mask_BT.astype(f32)
+    return a_tok, a_tok
+
+
+@register_advantage_estimator(
+    "turn_rloo",
+    requires=("step_rewards_BS", "step_mask_BS", "token_step_BT"),
+    group_baseline=True,
+    turn_level=True,
+)
+def turn_rloo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[jax.Array, jax.Array]:
+    """Per-turn leave-one-out baseline: A_{i,t} = R_{i,t} − mean of R_{j,t} over the other
+    episodes j of the group that reached turn t (0 when none did), R_{i,t} the discounted
+    return from turn t on (γ = ``config.step_gamma``). The baseline reads no sample of episode i,
+    so the gradient stays unbiased whatever the episodes' turn counts (docs/METHODS.md)."""
+    B, _ = check_inputs("turn_rloo", inputs)
+    group_rows(jnp.zeros((B,), f32), config.group_size, "turn_rloo")  # G set and divides B
+    G = config.group_size
+    valid = inputs.step_mask_BS > 0
+    S = valid.shape[1]
+    R = discounted_returns(inputs.step_rewards_BS, valid, config.step_gamma)
+    r = jnp.where(valid, R, 0.0).reshape(B // G, G, S)
+    n = valid.astype(f32).reshape(B // G, G, S)
+    others_sum = jnp.sum(r, axis=1, keepdims=True) - r
+    others_n = jnp.sum(n, axis=1, keepdims=True) - n
+    baseline = others_sum / jnp.maximum(others_n, 1.0)  # 0 where no other episode reached t
+    a = jnp.where(n > 0, r - baseline, 0.0).reshape(B, S)
     idx = jnp.clip(inputs.token_step_BT.astype(jnp.int32), 0, S - 1)
     a_tok = jnp.take_along_axis(a, idx, axis=1) * inputs.loss_mask_BT.astype(f32)
     return a_tok, a_tok

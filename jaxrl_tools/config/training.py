@@ -87,7 +87,7 @@ class AlgorithmSection:
     vapo_alpha: float = 0.05  # VAPO length-adaptive λ = 1 - 1/(α·|o|)
     nll_coef: float = 0.0  # VAPO positive-example NLL weight (0.1 in the paper)
     gigpo_omega: float = 1.0
-    step_gamma: float = 0.95  # GiGPO: γ of the discounted step returns within anchor groups
+    step_gamma: float = 0.95  # gigpo, turn_rloo: γ of the discounted step returns
     turn_gamma: float = 0.4  # Kevin: a turn's return = its score + turn_gamma x the next turn's
     turn_group_norm: bool = True  # Kevin: normalise turn returns over the prompt's group
     # Truncated importance sampling against the sampler's log-probs: each token's policy loss is

@@ -71,6 +71,8 @@ class Trajectory:
       spans: model / observation turns in response coordinates.
       tool_calls: ToolCallRecord per call attempt (executed or not).
       num_tool_calls: calls actually executed.
+      invalid_actions: model turns with neither a call nor an answer (`rollout.invalid_action`:
+        each got the notice, or the last one ended the response).
       finish_reason: "eos" | "stop" | "length" | "budget" | "turns" | "done", or
         AGENT_TIMEOUT (an agent run cut at rollout.agent_timeout_s).
       env_rewards: rewards returned by the environment, one per env step.
@@ -107,6 +109,7 @@ class Trajectory:
     spans: list[Span] = dataclasses.field(default_factory=list)
     tool_calls: list[ToolCallRecord] = dataclasses.field(default_factory=list)
     num_tool_calls: int = 0
+    invalid_actions: int = 0
     finish_reason: str = ""
     env_rewards: list[float] = dataclasses.field(default_factory=list)
     env_states: list = dataclasses.field(default_factory=list)

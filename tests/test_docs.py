@@ -41,8 +41,15 @@ NOT_OURS = (
     "mypkg/",
     "my_pkg/",
 )
-# Files of the papers' own repositories that RECIPES.md cites (ToRL's script, ZeroTIR's code).
-UPSTREAM = {"scripts/torl_1.5b.sh", "env/math/math_tir_process_single_request.py"}
+# Files of the papers' own repositories that RECIPES.md cites (ToRL's and Dr. GRPO's scripts,
+# ZeroTIR's and Search-R1's code, DeepResearcher's paper).
+UPSTREAM = {
+    "scripts/torl_1.5b.sh",
+    "env/math/math_tir_process_single_request.py",
+    "search_r1/llm_agent/generation.py",
+    "resources/DeepResearcher.pdf",
+    "examples/qwen2.5-math-7b.sh",
+}
 # Package folders a page may name a module under (`rollout/loop.py` is jaxrl_tools/rollout/loop.py).
 PATH_ROOTS = (ROOT, ROOT / "jaxrl_tools", ROOT / "benchmarks")
 

@@ -27,6 +27,7 @@ from jaxrl_tools.envs.episodes import window_text
 from jaxrl_tools.prompts import chat_continuation, encode_observation
 from jaxrl_tools.rewards import CompositeReward
 from jaxrl_tools.rollout import BUDGET_NOTICE, RolloutLimits, Sampler, run_rollouts
+from jaxrl_tools.rollout.resolver import INVALID_NOTICE
 from jaxrl_tools.tasks.tokenizer import build_tokenizer
 from jaxrl_tools.tools import Observation, ToolExecutor, function_tool, get_parser
 from jaxrl_tools.train.scoring import score_trajectories
@@ -309,6 +310,37 @@ def test_a_call_past_the_budget_ignored_lets_the_model_write_on(tiny, tok):
     for i in free:  # greedy: the argmax of the model's logits at that place, and its log-prob
         assert t.response_ids[i] == int(jnp.argmax(logp[P - 1 + i]))
         assert t.logprobs[i] == pytest.approx(float(logp[P - 1 + i, t.response_ids[i]]), abs=1e-4)
+
+
+def test_search_r1_invalid_turn_gets_its_notice_and_the_model_tries_again(tiny, tok):
+    """`invalid_action` "notice" through the engine: a turn cut at its token cap with neither
+    tag gets Search-R1's notice (loss mask 0, appended to the live cache row) and the model's
+    next turn answers; the turn is counted in `invalid_actions`."""
+    answer = "<answer>5</answer><|im_end|>"
+    first = "I am not sure what to do here, so I keep thinking about it"
+    n_first = len(_enc(tok, first))
+    assert n_first >= len(_enc(tok, answer))
+    eng, params = _engine(tiny, tok, [first, answer])
+    limits = RolloutLimits(
+        chunk_size=8, max_response_tokens=300, max_turn_tokens=n_first, invalid_action="notice"
+    )
+
+    @function_tool
+    def search(query: str) -> str:
+        """Searches."""
+        return "passages"
+
+    (t,) = run_rollouts(
+        eng, params, [[1, 2, 3]], tokenizer=tok, protocol=get_parser("search_r1"),
+        executor=ToolExecutor([search]), sampling=GREEDY, limits=limits,
+    )  # fmt: skip
+    assert t.finish_reason == "eos" and t.invalid_actions == 1 and t.num_tool_calls == 0
+    notice = tok.decode(_enc(tok, INVALID_NOTICE), skip_special_tokens=False)
+    assert _spans_text(tok, t) == [("model", first), ("observation", notice), ("model", answer)]
+    obs = t.spans[1]
+    assert set(t.loss_mask[obs.start : obs.end]) == {0} and t.model_text == first + answer
+    with pytest.raises(ValueError, match="invalid_action must be one of"):
+        RolloutLimits(invalid_action="skip")
 
 
 def test_zerotir_runs_code_at_the_closing_fence_without_an_output_fence(tiny, tok):

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from jaxrl_tools import cli, configs
+from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import load_config
-from jaxrl_tools.rollout.resolver import BUDGET_NOTICE
+from jaxrl_tools.rollout.resolver import BUDGET_NOTICE, INVALID_NOTICE
 from jaxrl_tools.rollout.scripted import ScriptedRun, scripted_rows, text_tokenizer
 from jaxrl_tools.tools import function_tool
 
@@ -81,6 +82,45 @@ def test_search_r1_runs_its_four_searches_and_then_notices(tok):
     turns = [f"<search>q{i}</search>" for i in range(7)]
     (r,) = rows("search_r1", [{**line, "turns": turns}], tok, tools=[search])
     assert r["finish_reason"] == "turns" and r["num_tool_calls"] == 4
+
+
+def test_search_r1_answers_a_turn_with_neither_tag_with_its_invalid_action_notice(tok):
+    """Search-R1's loop: a turn with neither <search> nor <answer> gets its notice (the EOS
+    that ended it dropped, the notice masked out and unseen by the reward) and counts as a
+    turn; the turn limit ends a response that never acts."""
+    turns = ["I think it is Paris.", "<search>capital of France</search>", "<answer>Paris</answer>"]
+    line = {"prompt": "Capital of France?", "ground_truth": ["Paris"], "turns": turns}
+    (r,) = rows("search_r1", [line], tok, tools=[search])
+    assert r["finish_reason"] == "eos" and r["num_tool_calls"] == 1 and r["invalid_actions"] == 1
+    assert r["response_text"].startswith(f"I think it is Paris.{INVALID_NOTICE}<search>")
+    assert INVALID_NOTICE not in r["model_text"] and r["reward"] == 1.0
+    # each invalid turn is one of the 4 turns: the fifth ends the response
+    (r,) = rows("search_r1", [{**line, "turns": ["Hmm."] * 6}], tok, tools=[search])
+    assert r["finish_reason"] == "turns" and r["invalid_actions"] == 5
+    assert r["response_text"].count(INVALID_NOTICE) == 4 and r["reward"] == 0.0
+    # "end" (the default elsewhere): the turn ends the response
+    (r,) = rows("search_r1", [line], tok, ["rollout.invalid_action=end"], tools=[search])
+    assert r["finish_reason"] == "eos" and r["invalid_actions"] == 0 and r["reward"] == 0.0
+
+
+def test_search_r1_notices_a_turn_cut_at_its_token_cap(tok):
+    """A turn cut at max_turn_tokens without a tag is invalid too (Search-R1 reads the 500
+    tokens it generated); one cut after its answer ends the response."""
+    over = ["rollout.max_turn_tokens=40"]
+    turns = ["x" * 60, "<search>capital", "<answer>Paris</answer>"]
+    line = {"prompt": "Capital?", "ground_truth": ["Paris"], "turns": turns}
+    (r,) = rows("search_r1", [line], tok, over, tools=[search])
+    # an unclosed <search> is no action either (Search-R1's regex needs both tags)
+    assert r["invalid_actions"] == 2 and r["finish_reason"] == "eos" and r["reward"] == 1.0
+    line["turns"] = ["<answer>Paris</answer>" + "x" * 40]
+    (r,) = rows("search_r1", [line], tok, over, tools=[search])
+    assert r["finish_reason"] == "turn_length" and r["invalid_actions"] == 0
+    assert r["reward"] == 1.0
+
+
+def test_invalid_action_notice_needs_an_answer_tag():
+    with pytest.raises(ConfigError, match="rollout.invalid_action"):
+        load_config(configs.path("retool"), ["rollout.invalid_action=notice"])
 
 
 def test_retool_runs_eight_calls(tok):

@@ -20,6 +20,15 @@ from jaxrl_tools.tools.parsers import ToolCall
 # notice's text as its observation, ignored, or the episode ended.
 BUDGET_NOTICE = "tool budget exhausted, answer directly"
 OVER_BUDGET = ("notice", "ignore", "end")
+# A turn with neither a call nor an answer (`rollout.invalid_action`): the response ends there,
+# or the notice is inserted and the model tries again. The wording is Search-R1's
+# (search_r1/llm_agent/generation.py, `execute_predictions`).
+INVALID_ACTION = ("end", "notice")
+INVALID_NOTICE = (
+    "\nMy previous action is invalid. If I want to search, I should put the query between "
+    "<search> and </search>. If I want to give the final answer, I should put the answer "
+    "between <answer> and </answer>. Let me try again.\n"
+)
 
 _TYPES = {
     "string": (str,),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import sys
 from typing import Any
 
@@ -120,6 +121,9 @@ class Parser:
     # such messages through the tokenizer's chat template (the only owner of turn markup)
     # instead of appending `format_observation`'s inline text.
     chat_role: str | None = None
+    # What marks a segment as the final answer, for protocols that answer a turn with neither
+    # a call nor an answer (`rollout.invalid_action` "notice"); None: no such rule.
+    answer_pattern: re.Pattern | None = None
 
     def parse(self, text: str) -> ParseResult:
         raise NotImplementedError

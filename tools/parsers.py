@@ -172,6 +172,7 @@ class SearchR1Parser(_TagParser):
 
     name = "search_r1"
     tag, arg = "search", "query"
+    answer_pattern = re.compile(r"<answer>.*?</answer>", re.S)
 
     def __init__(self, tool_name: str = "search"):
         super().__init__(tool_name)

@@ -12,7 +12,12 @@ from jaxrl_tools import envs, tools
 from jaxrl_tools.config.checks import ConfigError, _at_least, _check, _check_choice
 from jaxrl_tools.prompts import PLAIN_FORMAT
 from jaxrl_tools.shapes import next_pow2
-from jaxrl_tools.tools.executor import BUDGET_NOTICE, OVER_BUDGET
+from jaxrl_tools.tools.executor import (
+    BUDGET_NOTICE,
+    INVALID_ACTION,
+    INVALID_NOTICE,
+    OVER_BUDGET,
+)
 from jaxrl_tools.tools.parsers import ARTIST_TAG_FORMS, declares_tools
 
 PROTOCOLS = (*sorted(tools.PARSERS), "none")
@@ -43,6 +48,11 @@ class RolloutSection:
     # (the response ends there, finish reason "tool_budget").
     over_budget: str = "notice"
     budget_notice: str = BUDGET_NOTICE
+    # A turn with neither a call nor an answer (the protocol's answer tag): "end" (the response
+    # ends there) or "notice" (Search-R1: `invalid_notice` is inserted, masked out of the loss,
+    # and the model tries again; the turn counts against max_turns like a tool turn).
+    invalid_action: str = "end"
+    invalid_notice: str = INVALID_NOTICE
     # Tool turns per response: model turns answered with tool results. The answer turn after
     # them is not counted, and a call past max_tool_calls gets over_budget's policy first. With
     # an env section, env.max_turns rules.
@@ -103,6 +113,13 @@ class RolloutSection:
             f"must hold {{prompt}} (where the question goes) once, got {self.plain_format!r}",
         )
         _check_choice(self.over_budget, "rollout.over_budget", OVER_BUDGET)
+        _check_choice(self.invalid_action, "rollout.invalid_action", INVALID_ACTION)
+        _check(
+            self.invalid_action == "end"
+            or getattr(tools.PARSERS.get(self.protocol), "answer_pattern", None) is not None,
+            "rollout.invalid_action",
+            f"'notice' needs a protocol with an answer tag (search_r1), got {self.protocol!r}",
+        )
         _check_choice(self.tool_tags, "rollout.tool_tags", ARTIST_TAG_FORMS)
         _check(
             self.tool_tags == "tool" or self.protocol == "artist",

@@ -57,6 +57,8 @@ from jaxrl_tools.prompts import encode_prompt
 from jaxrl_tools.rollout import ahead
 from jaxrl_tools.rollout.resolver import (
     BUDGET_NOTICE,
+    INVALID_ACTION,
+    INVALID_NOTICE,
     OVER_BUDGET,
     Append,
     Finish,
@@ -93,6 +95,8 @@ class RolloutLimits:
       max_parked: trajectories waiting on a tool that may give up their slot to a waiting
         sample (each keeps its cache row, up to its live length, in host memory meanwhile);
         None: as many as the engine has slots; 0: a trajectory keeps its slot while it waits.
+      invalid_action: a segment with neither a call nor the protocol's answer: "end" (the
+        trajectory ends) or "notice" (`invalid_notice` inserted, counted as a tool turn).
     """
 
     max_response_tokens: int = 512
@@ -105,13 +109,17 @@ class RolloutLimits:
     max_turn_tokens: int | None = None
     over_budget: str = "notice"
     budget_notice: str = BUDGET_NOTICE
+    invalid_action: str = "end"
+    invalid_notice: str = INVALID_NOTICE
 
     def __post_init__(self):
         if self.over_budget not in OVER_BUDGET:
             raise ValueError(f"RolloutLimits.over_budget must be one of {OVER_BUDGET}")
+        if self.invalid_action not in INVALID_ACTION:
+            raise ValueError(f"RolloutLimits.invalid_action must be one of {INVALID_ACTION}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("over_budget", "budget_notice"):
+            if f.name in ("over_budget", "budget_notice", "invalid_action", "invalid_notice"):
                 continue
             if v is None and f.name in ("max_context_tokens", "max_parked", "max_turn_tokens"):
                 continue
@@ -198,6 +206,8 @@ async def arun_rollouts(
         max_tool_calls=limits.max_tool_calls,
         over_budget=limits.over_budget,
         budget_notice=limits.budget_notice,
+        invalid_action=limits.invalid_action,
+        invalid_notice=limits.invalid_notice,
         max_turns=limits.max_turns,
         max_obs_tokens=limits.max_obs_tokens,
         max_response_tokens=limits.max_response_tokens,

@@ -13,7 +13,11 @@ or a final stop string. `Resolver.end_segment` decides:
   parse error (an unclosed <tool_call>, a call inside <think>) is one too: the model sees the
   error. Otherwise, with an environment (RAGEN style), the turn's text (without its end token)
   steps the environment and its observation comes back as a user turn, until it says done
-  ("done"). Otherwise the trajectory ends ("eos" / "stop").
+  ("done"). Otherwise, with `rollout.invalid_action` "notice" and a segment without the
+  parser's answer (Search-R1: neither <search> nor <answer>), the notice is inserted (the EOS
+  that ended the segment dropped, as Search-R1 decodes without special tokens) and the model
+  tries again; the turn counts as a tool turn. Otherwise the trajectory ends ("eos" / "stop" /
+  "turn_length").
 
 Budgets, in this order: a turn whose calls are all past the tool budget C gets the recipe's
 `rollout.over_budget` whatever the turn limit: "ignore" (no answer, the model writes on; not a
@@ -39,7 +43,12 @@ from typing import Any, NamedTuple
 
 from jaxrl_tools.prompts import chat_continuation, encode_observation
 from jaxrl_tools.tools import Observation
-from jaxrl_tools.tools.executor import BUDGET_NOTICE, OVER_BUDGET  # noqa: F401 -- re-exported
+from jaxrl_tools.tools.executor import (  # noqa: F401 -- re-exported
+    BUDGET_NOTICE,
+    INVALID_ACTION,
+    INVALID_NOTICE,
+    OVER_BUDGET,
+)
 from jaxrl_tools.types import Span, ToolCallRecord, Trajectory
 
 
@@ -122,6 +131,19 @@ class Sample:
         if version is not None:
             t.versions.extend([version] * len(toks))
 
+    def drop_last_token(self) -> None:
+        """Takes back the last model token (an EOS the next observation replaces; the engine's
+        row is rewritten from `length` on when the observation is appended)."""
+        t = self.traj
+        t.response_ids.pop()
+        t.loss_mask.pop()
+        t.logprobs.pop()
+        if t.versions:
+            t.versions.pop()
+        t.spans[-1].end -= 1
+        if t.spans[-1].end == t.spans[-1].start:
+            t.spans.pop()
+
     def add_observation(self, obs: Append) -> None:
         t = self.traj
         n = len(obs.tokens)
@@ -164,11 +186,23 @@ class Resolver:
         ctx_limit: int,
         over_budget: str = "notice",
         budget_notice: str = BUDGET_NOTICE,
+        invalid_action: str = "end",
+        invalid_notice: str = INVALID_NOTICE,
     ):
         self.tokenizer, self.parser, self.executor = tokenizer, parser, executor
         self.env_format = env_format
         self.max_tool_calls, self.max_turns = max_tool_calls, max_turns
         self.over_budget, self.budget_notice = over_budget, budget_notice
+        # the answer rule of invalid turns, None when they end the response
+        self.answer_pattern = None
+        if invalid_action == "notice":
+            self.answer_pattern = getattr(parser, "answer_pattern", None)
+            if self.answer_pattern is None:
+                raise ValueError(
+                    f"invalid_action 'notice' needs a protocol with an answer tag, got "
+                    f"{getattr(parser, 'name', parser)!r}"
+                )
+        self.invalid_notice = invalid_notice
         self.max_obs_tokens, self.max_response_tokens = max_obs_tokens, max_response_tokens
         self.ctx_limit = ctx_limit
 
@@ -182,7 +216,9 @@ class Resolver:
         "turn_length"}: a Finish now, or a coroutine (the tool calls or environment step) whose
         result is an Outcome. A turn cut at `max_turn_tokens` is an environment's action as
         written (RAGEN: most likely a malformed one); else it ends the trajectory."""
-        if reason in ("length", "budget") or (reason == "turn_length" and s.env is None):
+        if reason in ("length", "budget"):
+            return Finish(reason)
+        if reason == "turn_length" and s.env is None and self.answer_pattern is None:
             return Finish(reason)
         seg_text = self.decode(s.seg_tokens) if self.tokenizer is not None else ""
         if stop_end is not None:
@@ -199,6 +235,8 @@ class Resolver:
             kind = "tool"
         elif s.env is not None:
             kind = "env"
+        elif self.answer_pattern is not None and not self.answer_pattern.search(seg_text):
+            return self._invalid_turn(s, reason)
         else:
             return Finish(reason)
         ended = reason in ("eos", "stop") and getattr(self.parser, "chat_role", None)
@@ -223,6 +261,19 @@ class Resolver:
             if s.tool_turns > self.max_turns:
                 return Finish("turns")
         return self._tool_turn(s, parsed, ended_with_eos)
+
+    def _invalid_turn(self, s: Sample, reason: str):
+        """A turn with neither a call nor an answer: the notice, or "turns" at the turn limit
+        (Search-R1's loop counts it as one of its turns)."""
+        s.traj.invalid_actions += 1
+        s.tool_turns += 1
+        if s.tool_turns > self.max_turns:
+            return Finish("turns")
+        if reason == "eos":
+            s.drop_last_token()
+        ids = self.tokenizer.encode(self.invalid_notice, add_special_tokens=False)
+        # markup "": rewards must not read the notice's own <answer> tags as the model's
+        return _ready(Append(list(ids), None, ""))
 
     def bounded(self, s: Sample, outcome: Outcome) -> Outcome:
         """`outcome`, or the finish it becomes when its observation would fill the response
@@ -363,6 +414,11 @@ def model_text(traj: Trajectory, markups: list[str], decode) -> str:
         decode(traj.response_ids[sp.start : sp.end]) if sp.kind == "model" else next(it)
         for sp in traj.spans
     )
+
+
+async def _ready(outcome: Outcome) -> Outcome:
+    """An outcome known now, as the coroutine the driver runs for tool turns."""
+    return outcome
 
 
 async def _safe(coro):

@@ -117,6 +117,8 @@ class Sampler:
             max_turn_tokens=settings.max_turn_tokens,
             over_budget=settings.over_budget,
             budget_notice=settings.budget_notice,
+            invalid_action=settings.invalid_action,
+            invalid_notice=settings.invalid_notice,
             max_obs_tokens=settings.max_obs_tokens,
             chunk_size=settings.chunk_size,
             max_parked=settings.max_parked,

@@ -12,7 +12,8 @@ per byte, Qwen2.5's special tokens and chat template), so that a recipe whose we
 here still runs; observation texts and the text trained on are the same either way.
 
 Input lines: {"prompt": text or chat messages, "ground_truth": ..., "turns": [segment, ...]}.
-Output lines: finish_reason, num_tool_calls (executed), tool_calls ([{name, ok, error}]),
+Output lines: finish_reason, num_tool_calls (executed), invalid_actions (turns with neither a
+call nor an answer), tool_calls ([{name, ok, error}]),
 response_text (model text and observations, as trained on), model_text (what rewards read),
 reward and its terms.
 """
@@ -126,6 +127,8 @@ class ScriptedRun:
             ctx_limit=self.ctx_limit,
             over_budget=r.over_budget,
             budget_notice=r.budget_notice,
+            invalid_action=r.invalid_action,
+            invalid_notice=r.invalid_notice,
         )
 
     async def play(self, line: dict, index: int = 0) -> Trajectory:
@@ -175,6 +178,7 @@ class ScriptedRun:
             {
                 "finish_reason": t.finish_reason,
                 "num_tool_calls": t.num_tool_calls,
+                "invalid_actions": t.invalid_actions,
                 "tool_calls": [
                     {"name": c.name, "ok": c.ok, "error": c.error} for c in t.tool_calls
                 ],

@@ -124,6 +124,8 @@ def rollout_metrics(
         "tools/calls_per_response": float(calls.mean()),
         "tools/error_rate": errors / max(1, len(call_records)),
         "tools/used_frac": float((calls > 0).mean()),
+        # turns with neither a call nor an answer (Search-R1's invalid actions), per response
+        "tools/invalid_actions": float(np.mean([t.invalid_actions for t in trajectories])),
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max(initial=0)),
     }

@@ -9,7 +9,7 @@ import pytest
 
 from jaxrl_tools import cli, configs
 from jaxrl_tools.config_loader import load_config
-from jaxrl_tools.demo.seeds import seed_config, spread
+from jaxrl_tools.demo.seeds import seed_config, seed_curves, spread
 
 
 def _run(before, after, n=100, baseline=None):
@@ -72,6 +72,20 @@ def test_a_seed_is_every_seed_a_demo_draws_and_its_own_folders():
     assert two.tokenizer == cfg.tokenizer  # one tokenizer for all seeds
 
 
+def test_seed_curves_are_each_seeds_records_and_its_baselines(tmp_path):
+    cfg = load_config(configs.path("grpo_tool_math"), [f"trainer.log_dir={tmp_path}"])
+    runs = [seed_config(cfg, s) for s in (0, 1)]
+    for c, folders in zip(runs, (["", "baseline"], [""]), strict=True):
+        for folder in folders:
+            (tmp_path / c.trainer.log_dir / folder).mkdir(parents=True, exist_ok=True)
+            lines = [{"step": k, "reward/mean": k / 10 + len(folder)} for k in (1, 2)]
+            text = "\n".join(json.dumps(r) for r in lines)
+            (tmp_path / c.trainer.log_dir / folder / "metrics.jsonl").write_text(text)
+    curves = seed_curves([0, 1], runs)
+    assert list(curves) == ["seed 0", "seed 0 (baseline)", "seed 1"]
+    assert [r["reward/mean"] for r in curves["seed 0 (baseline)"]] == [8.1, 8.2]
+
+
 def test_demo_over_two_seeds_in_a_smoke_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["demo", "--smoke", "--seeds", "0,1"]) == 0
@@ -83,5 +97,6 @@ def test_demo_over_two_seeds_in_a_smoke_run(tmp_path, monkeypatch, capsys):
     table = json.loads((logs / "seeds.json").read_text())
     assert [r["seed"] for r in table["rows"]] == [0, 1] and table["metric"] == "reward/accuracy"
     assert "| mean |" in (logs / "seeds.md").read_text() and "| mean |" in capsys.readouterr().out
+    assert (logs / "seeds.png").read_bytes()[:4] == b"\x89PNG"  # the seeds' curves side by side
     with pytest.raises(SystemExit):
         cli.main(["demo", "--smoke", "--seeds", "0,0"])

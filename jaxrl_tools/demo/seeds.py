@@ -6,7 +6,8 @@ other SFT traces and sampling, another order of the data; the held-out set is th
 seed writes its own report under `trainer.log_dir/seed<s>`; `seeds.md` and `seeds.json` in
 `trainer.log_dir` hold the table: every seed's figures before RL, after RL (and after the
 baseline's RL), the change (and the lead over the baseline) with its standard error, paired over
-the held-out problems, and the mean and standard deviation over the seeds.
+the held-out problems, and the mean and standard deviation over the seeds; `seeds.png` the
+training curves of every seed (and its baseline's, dashed) side by side.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from jaxrl_tools import sharding
 from jaxrl_tools.config import RunConfig
 from jaxrl_tools.demo import report, runner
-from jaxrl_tools.train.metrics import write_json
+from jaxrl_tools.train.metrics import plot_runs, read_metrics, write_json
 
 # The figure each kind of demo is judged by, first match wins.
 HEADLINES = (
@@ -71,8 +72,19 @@ def demo_seeds(cfg: RunConfig, seeds: Sequence[int] | None, **baseline) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         (out / "seeds.md").write_text(table["markdown"])
         write_json(out / "seeds.json", {k: v for k, v in table.items() if k != "markdown"})
+        plot_runs(seed_curves(seeds, configs), out / "seeds.png")
     print(table["markdown"])
     return table
+
+
+def seed_curves(seeds: Sequence[int], configs: Sequence[RunConfig]) -> dict[str, list[dict]]:
+    """Each seed's logged training records, and its baseline's where one ran."""
+    curves = {}
+    for seed, c in zip(seeds, configs, strict=True):
+        curves[f"seed {seed}"] = read_metrics(c.trainer.log_dir)
+        if (Path(c.trainer.log_dir) / "baseline" / "metrics.jsonl").exists():
+            curves[f"seed {seed} (baseline)"] = read_metrics(Path(c.trainer.log_dir) / "baseline")
+    return curves
 
 
 def _draws(cfg: RunConfig, metrics: dict) -> int:

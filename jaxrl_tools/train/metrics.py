@@ -201,26 +201,8 @@ class MetricsLogger:
             by_level = sorted(k for k in seen if k.startswith("level/") and k.endswith(f"/{stat}"))
             if by_level:
                 panels.append((f"{stat} by level", by_level))
-        if not panels:
-            return None
-        cols = min(4, len(panels))
-        rows = math.ceil(len(panels) / cols)
-        fig = Figure(figsize=(4 * cols, 3 * rows))  # no pyplot: no global backend state
-        axes = fig.subplots(rows, cols, squeeze=False)
-        for ax, (title, lines) in zip(axes.flat, panels):
-            for key in lines:
-                pts = [(r["step"], r[key]) for r in self.history if key in r]
-                ax.plot(*zip(*pts), marker=".", label=key.split("/")[1] if len(lines) > 1 else None)
-            if len(lines) > 1:
-                ax.legend(title="level", fontsize="small")
-            ax.set_title(title)
-            ax.set_xlabel("step")
-        for ax in list(axes.flat)[len(panels) :]:
-            ax.axis("off")
-        fig.tight_layout()
         path = Path(path) if path else self.log_dir / "curves.png"
-        fig.savefig(path, dpi=100)
-        return path
+        return _draw(panels, {None: self.history}, path)
 
     def flush(self) -> None:
         """Puts everything logged so far on disk (TensorBoard buffers events)."""
@@ -241,3 +223,67 @@ class MetricsLogger:
             self._samples.close()
         close_trackers(self.trackers, failed=failed)
         self.trackers = []
+
+
+def read_metrics(log_dir: str | Path) -> list[dict]:
+    """The records a run logged (`log_dir/metrics.jsonl`), one per step."""
+    lines = (Path(log_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line]
+
+
+def plot_runs(
+    runs: Mapping[str, Sequence[Mapping]],
+    path: str | Path,
+    keys: Sequence[str] = PLOT_KEYS,
+    smooth: int = 5,
+) -> Path | None:
+    """Writes a PNG with one panel per curve in `keys` and a line per run (`runs`: label -> its
+    logged records, e.g. `read_metrics`), each a moving mean over `smooth` steps: several
+    seeds, or methods, side by side. Labels containing "baseline" are dashed."""
+    seen = {k for records in runs.values() for r in records for k in r}
+    panels = [(k, [k]) for k in keys if k in seen]
+    title = f"moving mean of {smooth} steps" if smooth > 1 else None
+    return _draw(panels, runs, Path(path), smooth=smooth, title=title)
+
+
+def _draw(panels, runs: Mapping, path: Path, smooth: int = 1, title=None) -> Path | None:
+    """One panel per (title, keys); a line per key and per run (label None: the only run)."""
+    if not panels:
+        return None
+    cols = min(4, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig = Figure(figsize=(4 * cols, 3 * rows))  # no pyplot: no global backend state
+    axes = fig.subplots(rows, cols, squeeze=False)
+    # A run and its baseline share a colour.
+    colors = {}
+    for label in runs:
+        if label is not None:
+            colors.setdefault(label.replace("baseline", "").strip(" ()"), f"C{len(colors)}")
+    for i, (ax, (name, keys)) in enumerate(zip(axes.flat, panels)):
+        for label, records in runs.items():
+            for key in keys:
+                pts = [(r["step"], r[key]) for r in records if key in r]
+                if not pts:
+                    continue
+                steps, values = map(np.asarray, zip(*pts))
+                if smooth > 1 and len(values) >= smooth:
+                    values = np.convolve(values, np.ones(smooth) / smooth, mode="valid")
+                    steps = steps[smooth - 1 :]
+                line = key.split("/")[1] if len(keys) > 1 else label
+                style = "--" if label and "baseline" in label else "-"
+                color = colors[label.replace("baseline", "").strip(" ()")] if label else None
+                ax.plot(steps, values, style, color=color, marker="." if smooth == 1 else None,
+                        label=line)  # fmt: skip
+        if len(keys) > 1:
+            ax.legend(title="level", fontsize="small")
+        elif len(runs) > 1 and i == 0:  # the runs' legend once
+            ax.legend(fontsize="small")
+        ax.set_title(name)
+        ax.set_xlabel("step")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path

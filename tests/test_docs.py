@@ -42,10 +42,13 @@ NOT_OURS = (
     "my_pkg/",
 )
 # Files of the papers' own repositories that RECIPES.md cites (ToRL's and Dr. GRPO's scripts,
-# ZeroTIR's and Search-R1's code, DeepResearcher's paper).
+# ZeroTIR's code and README figure, Search-R1's code, DeepResearcher's paper), and a third-party
+# VAPO implementation's.
 UPSTREAM = {
     "scripts/torl_1.5b.sh",
     "env/math/math_tir_process_single_request.py",
+    "docs/interactions_scaling.png",
+    "training/vapo_trainer.py",
     "search_r1/llm_agent/generation.py",
     "resources/DeepResearcher.pdf",
     "examples/qwen2.5-math-7b.sh",

@@ -8,7 +8,7 @@ each method's RL run from a copy of it and its held-out accuracy (greedy, `--eva
 problems). Prints, and writes to `--out`/ablation.md and ablation.json, per method: each seed's
 accuracy, the mean, the change against GRPO per seed with its standard error (paired over the
 held-out problems), the trajectories sampled per step (dynamic sampling samples more), whether
-the overlong shaping acted, and the wall time.
+the overlong shaping acted, and the wall time; curves_seed<s>.png, each method's training curves.
 
 Run: .venv/bin/python benchmarks/ablation_dapo.py --seeds 0,1 [--steps 40] [--eval-size 400]
      [--only GRPO,DAPO] [--out runs/ablation_dapo] [--set key=value ...]
@@ -83,12 +83,12 @@ COMMON = [
 ]
 
 
+# The training curves plotted per seed, a line per method.
+CURVES = ("reward/accuracy", "tools/calls_per_response", "response/length_mean", "actor/entropy")
+
+
 def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
-
-
-def _step_log(log_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def main():
@@ -107,6 +107,7 @@ def main():
     from jaxrl_tools import configs, run
     from jaxrl_tools.config_loader import load_config
     from jaxrl_tools.demo.seeds import change_se, seed_config
+    from jaxrl_tools.train.metrics import plot_runs, read_metrics
 
     names = args.only.split(",") if args.only else list(METHODS)
     unknown = [n for n in names if n not in METHODS]
@@ -144,7 +145,7 @@ def main():
         else:
             init = jax.tree.map(jnp.copy, sft[seed])  # the update donates its buffers
             summary = run.train(cfg, evaluate_after=True, init_params=init)
-        steps = _step_log(Path(cfg.trainer.log_dir))
+        steps = read_metrics(cfg.trainer.log_dir)
         rounds = [r["filter/sampling_rounds"] for r in steps if "filter/sampling_rounds" in r]
         rounds = rounds or [1.0]
         overlong = [r["reward/dapo_overlong"] for r in steps if "reward/dapo_overlong" in r]
@@ -167,6 +168,10 @@ def main():
     keep = lambda m: {k: v for k, v in m.items() if k != "_examples"}  # noqa: E731
     dump = {f"seed{s}/{n}": {**r, "after": keep(r["after"])} for (s, n), r in results.items()}
     (out / "ablation.json").write_text(json.dumps(dump, indent=1))
+    for seed in sorted({s for s, _ in configs_by_method}):  # each method's training curves
+        curves = {n: read_metrics(c.trainer.log_dir) for (s, n), c in configs_by_method.items()
+                  if s == seed}  # fmt: skip
+        plot_runs(curves, out / f"curves_seed{seed}.png", keys=CURVES)
     print(table)
 
 

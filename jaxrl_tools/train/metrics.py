@@ -254,11 +254,10 @@ def _draw(panels, runs: Mapping, path: Path, smooth: int = 1, title=None) -> Pat
     rows = math.ceil(len(panels) / cols)
     fig = Figure(figsize=(4 * cols, 3 * rows))  # no pyplot: no global backend state
     axes = fig.subplots(rows, cols, squeeze=False)
-    # A run and its baseline share a colour.
-    colors = {}
+    colors = {}  # a run and its baseline share one
     for label in runs:
         if label is not None:
-            colors.setdefault(label.replace("baseline", "").strip(" ()"), f"C{len(colors)}")
+            colors.setdefault(_without_baseline(label), f"C{len(colors)}")
     for i, (ax, (name, keys)) in enumerate(zip(axes.flat, panels)):
         for label, records in runs.items():
             for key in keys:
@@ -271,7 +270,7 @@ def _draw(panels, runs: Mapping, path: Path, smooth: int = 1, title=None) -> Pat
                     steps = steps[smooth - 1 :]
                 line = key.split("/")[1] if len(keys) > 1 else label
                 style = "--" if label and "baseline" in label else "-"
-                color = colors[label.replace("baseline", "").strip(" ()")] if label else None
+                color = colors[_without_baseline(label)] if label else None
                 ax.plot(steps, values, style, color=color, marker="." if smooth == 1 else None,
                         label=line)  # fmt: skip
         if len(keys) > 1:
@@ -287,3 +286,7 @@ def _draw(panels, runs: Mapping, path: Path, smooth: int = 1, title=None) -> Pat
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return path
+
+
+def _without_baseline(label: str) -> str:
+    return label.replace("baseline", "").strip(" ()")

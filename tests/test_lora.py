@@ -46,12 +46,6 @@ def _ids(B=3, T=12, seed=0, vocab=VOCAB):
     return jnp.asarray(np.random.RandomState(seed).randint(0, vocab, (B, T)), jnp.int32)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    config = tiny_model_config()
-    return config, models.init_params(config, jax.random.key(0))
-
-
 # ------------------------------------------------------------------------------ the model
 
 

@@ -52,12 +52,6 @@ def test_layout_places_every_token_once_and_round_trips():
         plan_packing(LENGTHS, 16)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = tiny_model_config()
-    return cfg, models.init_params(cfg, jax.random.key(0))
-
-
 @pytest.mark.parametrize("impl", ["dense", "chunked"])
 def test_packed_forward_equals_each_sequence_alone(tiny, impl):
     cfg, params = tiny

@@ -108,12 +108,6 @@ def test_a_later_batch_that_fits_the_slots_so_far_keeps_their_shapes():
     assert shared_slots({"rows": {"tokens": short}}, (22, 15)) == (22, 15)  # plain: unchanged
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = tiny_model_config()
-    return cfg, models.init_params(cfg, jax.random.key(0))
-
-
 @pytest.mark.parametrize("impl", ["dense", "chunked"])
 def test_logprobs_entropies_and_values_equal_the_padded_ones(tiny, impl):
     cfg, params = tiny

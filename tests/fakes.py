@@ -18,6 +18,21 @@ from jaxrl_tools.types import Span, Trajectory
 
 VOCAB = 64
 
+# The built-in advantage estimators, sorted: the registry's tests check it against this list, so
+# a new estimator is added here too.
+ESTIMATORS = [
+    "drgrpo",
+    "gae",
+    "gigpo",
+    "grpo",
+    "kevin",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "remax",
+    "rloo",
+    "vapo",
+]
+
 # The `model.tiny` section of the CLI and resume tests' run configs (hidden 32, 2 layers).
 TINY_RUN_MODEL = {
     "model_type": "qwen2",
@@ -195,6 +210,27 @@ def fixed_trajectories(seed: int = 0) -> list[Trajectory]:
                 )
             )
     return out
+
+
+# The records of `fixed_trajectories`' two groups: the answer is 7.
+FIXED_RECORDS = [{"prompt": "q", "ground_truth": "7"}] * 2
+
+
+def fixed_batch(cfg, rows: int, trajectories=None, *, group_size: int = 4):
+    """The `Batch` a run makes of `trajectories` (default `fixed_trajectories()`) sampled for
+    FIXED_RECORDS: scored by cfg's reward, kept by its filters, padded into `rows` rows."""
+    from jaxrl_tools import run
+    from jaxrl_tools.train.batch import make_batch
+
+    return make_batch(
+        FIXED_RECORDS,
+        fixed_trajectories() if trajectories is None else trajectories,
+        run.make_reward(cfg),
+        cfg.algorithm.filters,
+        group_size=group_size,
+        rows=rows,
+        pad_id=0,
+    )
 
 
 def wait_until(pred, timeout=3.0) -> bool:

@@ -46,11 +46,12 @@ TINY_RUN_MODEL = {
 }
 
 
-def tiny_run_config(tmp: Path, name: str, reward: str, **sections) -> dict:
+def tiny_run_config(tmp: Path, name: str, reward: str | dict, **sections) -> dict:
     """The tiny RL run of the resume, multi-host and asynchronous-rollout tests, as a config
     dict: 2 tool_arithmetic prompts x 4 samples of the tiny Qwen2, GRPO without KL, the reward
-    `reward` (a "module:function" name), checkpoints and logs under tmp/name. `sections` update
-    a section's keys (e.g. rollout={"protocol": "retool"}) or add a section (tools=[...])."""
+    `reward` (a name, a "module:function" name or a whole `reward[]` entry), checkpoints and
+    logs under tmp/name. `sections` update a section's keys (e.g. rollout={"protocol":
+    "retool"}) or add a section (tools=[...])."""
     cfg = {
         "model": {"tiny": TINY_RUN_MODEL},
         "tokenizer": {"path": str(tmp / "tokenizer"), "vocab_size": 300},
@@ -69,7 +70,7 @@ def tiny_run_config(tmp: Path, name: str, reward: str, **sections) -> dict:
             "slots": 8,
         },
         "algorithm": {"adv_estimator": "grpo", "kl_coef": 0.0},
-        "reward": [{"name": reward}],
+        "reward": [reward if isinstance(reward, dict) else {"name": reward}],
         "optim": {"lr": 1e-3, "micro_batch_size": 4, "weight_decay": 0.0},
         "trainer": {
             "seed": 5,

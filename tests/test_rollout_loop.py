@@ -412,6 +412,19 @@ def test_final_stop_string_cuts_exactly(tok_model, tok):
     assert t.response_ids == ids[:3] and t.finish_reason == "length"
 
 
+def _env_rollouts(eng, params, tok, prompts, env_factory, max_turns=5):
+    """Greedy episodes of `prompts`, each sample stepping its own `env_factory(prompt, sample)`."""
+    return run_rollouts(
+        eng,
+        params,
+        prompts,
+        tokenizer=tok,
+        env_factory=env_factory,
+        sampling=GREEDY,
+        limits=RolloutLimits(chunk_size=8, max_turns=max_turns),
+    )
+
+
 class GridEnv:
     """Two-step environment: reward 0.5 per step, done after the second action."""
 
@@ -434,15 +447,7 @@ def test_env_turns_ragen_style(tok_model, tok):
         envs[(pi, g)] = GridEnv()
         return envs[(pi, g)]
 
-    trajs = run_rollouts(
-        eng,
-        params,
-        [[1, 2], [3, 4, 5]],
-        tokenizer=tok,
-        env_factory=factory,
-        sampling=GREEDY,
-        limits=RolloutLimits(chunk_size=8, max_turns=5),
-    )
+    trajs = _env_rollouts(eng, params, tok, [[1, 2], [3, 4, 5]], factory)
     for t in trajs:
         assert t.finish_reason == "done" and t.env_rewards == [0.5, 0.5]
         kinds = _spans_text(tok, t)
@@ -453,15 +458,7 @@ def test_env_turns_ragen_style(tok_model, tok):
         ]
         assert envs[(t.prompt_index, 0)].actions == ["<answer>Up</answer>"] * 2
     # max_turns=1: the first env turn is not run
-    (t,) = run_rollouts(
-        eng,
-        params,
-        [[1, 2]],
-        tokenizer=tok,
-        env_factory=factory,
-        sampling=GREEDY,
-        limits=RolloutLimits(chunk_size=8, max_turns=1),
-    )
+    (t,) = _env_rollouts(eng, params, tok, [[1, 2]], factory, max_turns=1)
     assert t.finish_reason == "turns"
 
 
@@ -507,15 +504,7 @@ def test_ragen_turns_on_frozenlake_record_rewards_and_anchor_states(tok_model, t
         envs[(pi, g)] = env
         return env
 
-    (t,) = run_rollouts(
-        eng,
-        params,
-        [[1, 2]],
-        tokenizer=tok,
-        env_factory=factory,
-        sampling=GREEDY,
-        limits=RolloutLimits(chunk_size=8, max_turns=5),
-    )
+    (t,) = _env_rollouts(eng, params, tok, [[1, 2]], factory)
     first = FrozenLake(size=4).reset(3)
     assert t.finish_reason == "done" and len(t.env_rewards) == len(t.env_states) == 2
     assert t.env_states[0] == first and t.env_states[1] != first

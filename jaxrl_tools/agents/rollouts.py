@@ -8,7 +8,7 @@ likes, and returns its reward (a number, or a dict with "reward"), or None to be
 recipe's reward like a built-in rollout. The record it gets carries "messages" (its prompt as
 chat messages, with the recipe's system prompt) and "tool_schemas" (the recipe's tools).
 
-Every completion is a segment of a sample of the one rollout driver (`rollout.loop.Driver`),
+Every completion is a segment of a sample of the one rollout driver (`rollout.driver.Driver`),
 decoded with the recipe's sampling (a request's temperature and top_p do not change the
 behaviour policy) and token limits per request (max_tokens) and per episode
 (`rollout.max_response_len`). A request whose prompt ids extend the episode's context exactly

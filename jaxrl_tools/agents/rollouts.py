@@ -50,7 +50,7 @@ from jaxrl_tools.gateway.chat import TemplateChat
 from jaxrl_tools.gateway.engine_backend import EngineBackend, RequestResolver, completion_of
 from jaxrl_tools.rollout.loop import RolloutLimits
 from jaxrl_tools.rollout.resolver import Append, Finish, Sample
-from jaxrl_tools.types import AGENT_TIMEOUT, Span, ToolCallRecord, Trajectory
+from jaxrl_tools.types import AGENT_TIMEOUT, ToolCallRecord, Trajectory
 
 Agent = Callable[[Any, dict], Any]
 log = logging.getLogger(__name__)
@@ -284,14 +284,9 @@ def _episode_trajectory(
     if not as_turns:
         t = parts[0]
     else:
-        t = Trajectory(ep.prompt_index, ep.sample_index, list(parts[0].prompt_ids), turns=parts)
+        t = Trajectory(ep.prompt_index, ep.sample_index, list(parts[0].prompt_ids), turns=[])
         for p in parts:
-            start = len(t.response_ids)
-            t.response_ids += p.response_ids
-            t.loss_mask += p.loss_mask
-            t.logprobs += p.logprobs
-            t.versions += p.versions
-            t.spans.append(Span("model", start, len(t.response_ids)))
+            t.add_turn(p)
             t.tool_calls += p.tool_calls
         t.finish_reason = parts[-1].finish_reason
         t.response_text = "\n".join(p.response_text for p in parts)

@@ -82,7 +82,7 @@ def tiny_run_config(tmp: Path, name: str, reward: str | dict, **sections) -> dic
         },
     }
     for section, value in sections.items():
-        cfg[section] = {**cfg[section], **value} if isinstance(value, dict) else value
+        cfg[section] = {**cfg.get(section, {}), **value} if isinstance(value, dict) else value
     return cfg
 
 

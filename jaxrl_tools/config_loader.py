@@ -9,7 +9,6 @@ are parsed as YAML and converted to the field's type by draccus.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import io
 import os
 import re
@@ -23,6 +22,7 @@ import draccus
 import yaml
 
 from jaxrl_tools.config import ConfigError, RunConfig, ToolSpec
+from jaxrl_tools.errors import did_you_mean
 
 _KEY_ALIASES = {ToolSpec: {"class": "cls"}}
 _KIND = {int: "an integer", float: "a number"}
@@ -58,9 +58,7 @@ def _validate_keys(cls, raw: Any, path: str) -> Any:
     for key, value in raw.items():
         full = f"{path}.{key}" if path else str(key)
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            hint = _REPLACED_KEYS.get(full, hint)
+            hint = _REPLACED_KEYS.get(full, did_you_mean(key, names))
             raise ConfigError(f"unknown key '{full}'{hint}; valid keys for {where}: {names}")
         tp = _strip_optional(hints[key])
         if tp in (int, float) and isinstance(value, bool):

@@ -136,6 +136,17 @@ class Trajectory:
     def num_turns(self) -> int:
         return sum(s.kind == "model" for s in self.spans)
 
+    def add_turn(self, turn: Trajectory) -> None:
+        """Appends `turn` (a sample of this episode's) to `turns` and its response to this one's
+        as one model span: what an episode of several samples trains on."""
+        self.turns.append(turn)
+        start = len(self.response_ids)
+        self.response_ids += turn.response_ids
+        self.loss_mask += turn.loss_mask
+        self.logprobs += turn.logprobs
+        self.versions += turn.versions
+        self.spans.append(Span("model", start, len(self.response_ids)))
+
 
 @dataclasses.dataclass(frozen=True)
 class Batch:

@@ -109,3 +109,36 @@ def tiny_hf(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    """The tiny tool-arithmetic tokenizer (512 tokens); a file may define its own `tok`."""
+    from jaxrl_tools.tasks.tokenizer import build_tokenizer
+
+    return build_tokenizer(tmp_path_factory.mktemp("tok") / "t", vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def tok_model(tok):
+    """(config, params) of the tiny Qwen2 (`fakes.tiny_model_config`, no attention bias) on
+    `tok`'s vocabulary, random weights of key 0."""
+    import jax
+    from fakes import tiny_model_config
+
+    from jaxrl_tools import models
+
+    config = tiny_model_config(vocab_size=len(tok), attention_bias=False)
+    return config, models.init_params(config, jax.random.PRNGKey(0))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(config, params) of `fakes.tiny_model_config()`, random weights of key 0."""
+    import jax
+    from fakes import tiny_model_config
+
+    from jaxrl_tools import models
+
+    config = tiny_model_config()
+    return config, models.init_params(config, jax.random.key(0))

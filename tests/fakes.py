@@ -18,6 +18,22 @@ from jaxrl_tools.types import Span, Trajectory
 
 VOCAB = 64
 
+# The built-in advantage estimators, sorted: the registry's tests check it against this list, so
+# a new estimator is added here too.
+ESTIMATORS = [
+    "drgrpo",
+    "gae",
+    "gigpo",
+    "grpo",
+    "kevin",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "remax",
+    "rloo",
+    "turn_rloo",
+    "vapo",
+]
+
 # The `model.tiny` section of the CLI and resume tests' run configs (hidden 32, 2 layers).
 TINY_RUN_MODEL = {
     "model_type": "qwen2",
@@ -31,11 +47,12 @@ TINY_RUN_MODEL = {
 }
 
 
-def tiny_run_config(tmp: Path, name: str, reward: str, **sections) -> dict:
+def tiny_run_config(tmp: Path, name: str, reward: str | dict, **sections) -> dict:
     """The tiny RL run of the resume, multi-host and asynchronous-rollout tests, as a config
     dict: 2 tool_arithmetic prompts x 4 samples of the tiny Qwen2, GRPO without KL, the reward
-    `reward` (a "module:function" name), checkpoints and logs under tmp/name. `sections` update
-    a section's keys (e.g. rollout={"protocol": "retool"}) or add a section (tools=[...])."""
+    `reward` (a name, a "module:function" name or a whole `reward[]` entry), checkpoints and
+    logs under tmp/name. `sections` update a section's keys (e.g. rollout={"protocol":
+    "retool"}) or add a section (tools=[...])."""
     cfg = {
         "model": {"tiny": TINY_RUN_MODEL},
         "tokenizer": {"path": str(tmp / "tokenizer"), "vocab_size": 300},
@@ -54,7 +71,7 @@ def tiny_run_config(tmp: Path, name: str, reward: str, **sections) -> dict:
             "slots": 8,
         },
         "algorithm": {"adv_estimator": "grpo", "kl_coef": 0.0},
-        "reward": [{"name": reward}],
+        "reward": [reward if isinstance(reward, dict) else {"name": reward}],
         "optim": {"lr": 1e-3, "micro_batch_size": 4, "weight_decay": 0.0},
         "trainer": {
             "seed": 5,
@@ -66,7 +83,7 @@ def tiny_run_config(tmp: Path, name: str, reward: str, **sections) -> dict:
         },
     }
     for section, value in sections.items():
-        cfg[section] = {**cfg[section], **value} if isinstance(value, dict) else value
+        cfg[section] = {**cfg.get(section, {}), **value} if isinstance(value, dict) else value
     return cfg
 
 
@@ -115,6 +132,67 @@ def tiny_model_config(
     )
 
 
+def tiny_hf_model(folder: Path, kind: str, *, seed: int = 0, vocab_size: int = 96):
+    """A random transformers model of `kind` ("qwen2" with tied embeddings, "qwen3", "llama"):
+    2 layers, hidden 32, no eos, with weights bigger than the default 0.02 init (fewer tied
+    argmaxes), saved to folder/kind; (torch model, our config, our params) read back from it."""
+    import torch
+    import transformers
+
+    from jaxrl_tools import models
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    config = {
+        "qwen2": lambda: transformers.Qwen2Config(**common, tie_word_embeddings=True),
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=16),
+        "llama": lambda: transformers.LlamaConfig(**common),
+    }[kind]()
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+    hf.eval()
+    hf.save_pretrained(folder / kind)
+    return (hf, *models.from_pretrained(folder / kind))
+
+
+def hf_greedy(hf, prompts: list[list[int]], n: int, eos: int | None = None) -> list[list[int]]:
+    """transformers' greedy continuations of `prompts` (left-padded into one batch): n tokens
+    each, or fewer up to and including `eos`."""
+    import torch
+
+    T = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), T), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p) :] = torch.tensor(p)
+        mask[i, T - len(p) :] = 1
+    with torch.no_grad():
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=eos,
+        )
+    rows = out[:, T:].tolist()
+    return [row[: row.index(eos) + 1] if eos in row else row for row in rows]
+
+
 def fixed_trajectories(seed: int = 0) -> list[Trajectory]:
     """Two groups of four; in each, responses 0 and 1 are 'correct' (text with the answer 7)."""
     rng = np.random.default_rng(seed)
@@ -136,6 +214,27 @@ def fixed_trajectories(seed: int = 0) -> list[Trajectory]:
     return out
 
 
+# The records of `fixed_trajectories`' two groups: the answer is 7.
+FIXED_RECORDS = [{"prompt": "q", "ground_truth": "7"}] * 2
+
+
+def fixed_batch(cfg, rows: int, trajectories=None, *, group_size: int = 4):
+    """The `Batch` a run makes of `trajectories` (default `fixed_trajectories()`) sampled for
+    FIXED_RECORDS: scored by cfg's reward, kept by its filters, padded into `rows` rows."""
+    from jaxrl_tools import run
+    from jaxrl_tools.train.batch import make_batch
+
+    return make_batch(
+        FIXED_RECORDS,
+        fixed_trajectories() if trajectories is None else trajectories,
+        run.make_reward(cfg),
+        cfg.algorithm.filters,
+        group_size=group_size,
+        rows=rows,
+        pad_id=0,
+    )
+
+
 def wait_until(pred, timeout=3.0) -> bool:
     """Polls `pred` every 50 ms until it holds or `timeout` seconds pass; its last value."""
     end = time.monotonic() + timeout
@@ -155,3 +254,30 @@ def free_or_forced_hook(logits_BV, sampled_B, seq_B, data):
     forced_BV = jnp.where(jnp.arange(logits_BV.shape[-1])[None] == want_B[:, None], 0.0, -1e9)
     free_BV = jnp.where(added_V[None], -1e9, logits_BV)
     return jnp.where((want_B >= 0)[:, None], forced_BV, free_BV)
+
+
+def added_tokens(tok, vocab_size: int) -> np.ndarray:
+    """[vocab_size] bool: True at the tokenizer's added (special) tokens."""
+    added = np.zeros((vocab_size,), bool)
+    added[list(tok.get_added_vocab().values())] = True
+    return added
+
+
+def forced_engine(tok_model, tok, script, *, slots: int = 2, engine_class=None):
+    """An engine (`EngineCore` unless `engine_class`) on the tiny model `tok_model` = (config,
+    params) with `free_or_forced_hook`: `script`'s tokens forced where they are >= 0, the model's
+    own tokens elsewhere; 768 tokens of context, prompts of up to 512."""
+    from jaxrl_tools.engine.core import EngineCore
+
+    config, params = tok_model
+    added = added_tokens(tok, config.vocab_size)
+    return (engine_class or EngineCore)(
+        config,
+        params,
+        slots=slots,
+        max_len=768,
+        max_prefill_length=512,
+        tokenizer=tok,
+        logits_hook=free_or_forced_hook,
+        hook_data=(jnp.asarray(script, jnp.int32), jnp.asarray(added)),
+    )

@@ -7,22 +7,17 @@ import asyncio
 import json
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from fakes import free_or_forced_hook, tiny_model_config
+from fakes import forced_engine
 
-from jaxrl_tools import models
 from jaxrl_tools.agents.rollouts import AgentError
 from jaxrl_tools.config import FiltersSection, RolloutSection
-from jaxrl_tools.engine.core import EngineCore
 from jaxrl_tools.gateway import Completion, Generation
 from jaxrl_tools.gateway.chat import TemplateChat
 from jaxrl_tools.gateway.engine_backend import EngineBackend
 from jaxrl_tools.rewards import CompositeReward
 from jaxrl_tools.rollout import RolloutLimits, Sampler
-from jaxrl_tools.tasks.tokenizer import build_tokenizer
 from jaxrl_tools.tools import ToolCall, ToolExecutor, function_tool, get_parser
 from jaxrl_tools.train.batch import make_batch
 from jaxrl_tools.train.scoring import score_trajectories
@@ -35,38 +30,15 @@ SCRIPT_LEN = 160
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return build_tokenizer(tmp_path_factory.mktemp("tok") / "t", vocab_size=512)
-
-
-@pytest.fixture(scope="module")
-def tiny(tok):
-    config = tiny_model_config(vocab_size=len(tok), attention_bias=False)
-    return config, models.init_params(config, jax.random.PRNGKey(0))
-
-
 def _enc(tok, s):
     return tok.encode(s, add_special_tokens=False)
 
 
-def _engine(tiny, tok, script, slots=3):
+def _engine(tok_model, tok, script, slots=3):
     """Free stretches of the model's own greedy tokens around forced tool calls."""
-    config, params = tiny
     script = list(script) + [script[-1]] * (SCRIPT_LEN - len(script))
-    added = np.zeros((config.vocab_size,), bool)
-    added[list(tok.get_added_vocab().values())] = True
-    eng = EngineCore(
-        config,
-        params,
-        slots=slots,
-        max_len=768,
-        max_prefill_length=512,
-        tokenizer=tok,
-        logits_hook=free_or_forced_hook,
-        hook_data=(jnp.asarray(script, jnp.int32), jnp.asarray(added)),
-    )
-    return eng, params
+    eng = forced_engine(tok_model, tok, script, slots=slots)
+    return eng, tok_model[1]
 
 
 @function_tool
@@ -155,11 +127,11 @@ RECORDS = [
 ]
 
 
-def test_an_agent_as_client_code_gives_the_built_in_loops_trajectories(tiny, tok):
+def test_an_agent_as_client_code_gives_the_built_in_loops_trajectories(tok_model, tok):
     """Greedy, the same records: token ids, loss masks, log-probs, tool calls and rewards of
     the agent's episodes equal the built-in loop's, token for token."""
     script = [-1] * 5 + _enc(tok, CALL) + [-1] * 4 + _enc(tok, "Done.<|im_end|>")
-    eng, params = _engine(tiny, tok, script)
+    eng, params = _engine(tok_model, tok, script)
     built_in = _sampler(eng, tok)(RECORDS, 2, params)
     sampler = _sampler(eng, tok, agent="test_agents:tool_agent")
     agent = sampler(RECORDS, 2, params)
@@ -202,11 +174,11 @@ async def forced_agent(client, record):
     return 1.0
 
 
-def test_a_forced_call_opener_is_given_tokens_not_trained(tiny, tok):
+def test_a_forced_call_opener_is_given_tokens_not_trained(tok_model, tok):
     """tool_choice's opener: the end of the prompt on the first request, the end of the
     observation (loss mask 0) on the next; the policy's tokens are the rest of each call."""
     args = '{"a": 2, "b": 3}}\n</tool_call>'
-    eng, params = _engine(tiny, tok, _enc(tok, '{"name": "add", "arguments": ' + args + args))
+    eng, params = _engine(tok_model, tok, _enc(tok, '{"name": "add", "arguments": ' + args + args))
     (t,) = _sampler(eng, tok, agent="test_agents:forced_agent", group=1)(RECORDS[:1], 1, params)
     first, second = (
         _enc(tok, "<tool_call>\n"),
@@ -238,7 +210,7 @@ CALC_CALL = '{"name": "calculate", "arguments": {"expression": "2 + 3"}}\n</tool
         ("smolagents", "smolagents_agent", True, 1),
     ],
 )
-def test_an_sdk_agent_trains_through_the_gateway(tiny, tok, sdk, module, forced, samples):
+def test_an_sdk_agent_trains_through_the_gateway(tok_model, tok, sdk, module, forced, samples):
     """The shipped example agent of each SDK, on the policy: its episode, the calculator's
     output in it, a training batch of it (the SDK's own requests, token-exact)."""
     pytest.importorskip(sdk)
@@ -249,7 +221,7 @@ def test_an_sdk_agent_trains_through_the_gateway(tiny, tok, sdk, module, forced,
         script = _enc(tok, final) + end
     else:
         script = _enc(tok, "<tool_call>\n" + CALC_CALL) + end + _enc(tok, "5") + end
-    eng, params = _engine(tiny, tok, script)
+    eng, params = _engine(tok_model, tok, script)
     agent = f"jaxrl_tools.demo.agents.{module}:agent"
     sampler = _sampler(eng, tok, agent=agent, group=1, max_samples=samples)
     (t,) = sampler(RECORDS[:1], 1, params)
@@ -272,8 +244,8 @@ def test_an_sdk_agent_trains_through_the_gateway(tiny, tok, sdk, module, forced,
     assert batch.loss_mask_RT.sum() == sum(t.loss_mask) > 0
 
 
-def test_a_rewritten_history_is_another_sample_of_the_episode(tiny, tok):
-    eng, params = _engine(tiny, tok, [-1] * 6 + _enc(tok, "<|im_end|>"))
+def test_a_rewritten_history_is_another_sample_of_the_episode(tok_model, tok):
+    eng, params = _engine(tok_model, tok, [-1] * 6 + _enc(tok, "<|im_end|>"))
     refuses = _sampler(eng, tok, agent="test_agents:forgetful_agent", protocol="none")
     with pytest.raises(AgentError, match=r"BadRequestError.*rollout.agent_max_samples=1 samples"):
         refuses(RECORDS[:1], 2, params)
@@ -301,15 +273,15 @@ def test_a_rewritten_history_is_another_sample_of_the_episode(tiny, tok):
     assert sampler.take_metrics()["agent/rewrites"] == 2.0
 
 
-def test_an_agent_that_raises_stops_the_rollout_naming_the_record(tiny, tok):
-    eng, params = _engine(tiny, tok, [-1] * 4 + _enc(tok, "<|im_end|>"))
+def test_an_agent_that_raises_stops_the_rollout_naming_the_record(tok_model, tok):
+    eng, params = _engine(tok_model, tok, [-1] * 4 + _enc(tok, "<|im_end|>"))
     sampler = _sampler(eng, tok, agent="test_agents:broken_agent", protocol="none")
     with pytest.raises(AgentError, match=r"rollout.agent raised on record a, run 0: KeyError"):
         sampler(RECORDS, 1, params)  # and the other run, asking forever, is stopped
 
 
-def test_an_agent_that_never_returns_is_cut_at_its_timeout_and_its_group_left_out(tiny, tok):
-    eng, params = _engine(tiny, tok, [-1] * 4 + _enc(tok, "<|im_end|>"))
+def test_an_agent_that_never_returns_is_cut_at_its_timeout_and_its_group_left_out(tok_model, tok):
+    eng, params = _engine(tok_model, tok, [-1] * 4 + _enc(tok, "<|im_end|>"))
     records = [*RECORDS, {"id": "c", "prompt": "Say 5.", "ground_truth": "5"}]
     _sampler(eng, tok, "test_agents:hung_agent", protocol="none")(
         records[2:], 2, params
@@ -328,10 +300,10 @@ def test_an_agent_that_never_returns_is_cut_at_its_timeout_and_its_group_left_ou
     assert batch.scores_R.tolist()[:2] == [1.0, 1.0]
 
 
-def test_a_requests_own_seed_alone_picks_its_key(tiny, tok):
+def test_a_requests_own_seed_alone_picks_its_key(tok_model, tok):
     """An explicit seed k is not the key of the k-th unseeded request (both once folded k into
     one base key), and it is the same whatever came before it."""
-    eng, params = _engine(tiny, tok, [-1] * 4 + _enc(tok, "<|im_end|>"))
+    eng, params = _engine(tok_model, tok, [-1] * 4 + _enc(tok, "<|im_end|>"))
 
     async def keys():
         backend = EngineBackend(eng, params, tok)
@@ -472,10 +444,10 @@ def test_the_three_apis_give_the_same_prompts_and_continuations(tok):
     assert second[: len(first) + len(sampled)] == first + sampled  # continued, token-exact
 
 
-def test_concurrent_requests_decode_as_if_alone(tiny, tok):
+def test_concurrent_requests_decode_as_if_alone(tok_model, tok):
     """Requests of different lengths, stops and seeds share the engine's slots (more requests
     than slots); each gets what it gets alone, its text cut before its stop string."""
-    eng, params = _engine(tiny, tok, [-1] * SCRIPT_LEN, slots=2)
+    eng, params = _engine(tok_model, tok, [-1] * SCRIPT_LEN, slots=2)
     prompts = [_enc(tok, t) for t in ("Hello there", "Compute 12 * 7", "x", "The answer is")]
     gens = [
         Generation(tuple(p), max_tokens=n, temperature=t, seed=7, stop=stop)
@@ -506,10 +478,10 @@ def test_concurrent_requests_decode_as_if_alone(tiny, tok):
         assert " " not in together[3].text
 
 
-def test_a_request_whose_caller_is_gone_frees_its_slot_and_nothing_of_it_stays(tiny, tok):
+def test_a_request_whose_caller_is_gone_frees_its_slot_and_nothing_of_it_stays(tok_model, tok):
     """A cancelled request (its HTTP client hung up: the app cancels its `generate`) stops at
     its next chunk, not at max_tokens; a finished request leaves nothing in the driver."""
-    eng, params = _engine(tiny, tok, [-1] * SCRIPT_LEN, slots=2)
+    eng, params = _engine(tok_model, tok, [-1] * SCRIPT_LEN, slots=2)
     prompt = tuple(_enc(tok, "Hello there"))
 
     async def main():

@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import pytest
 import yaml
-from fakes import FAST_COMPILE, TINY_RUN_MODEL
+from fakes import FAST_COMPILE, tiny_run_config
 
 from jaxrl_tools import check, prompts, records, run, tools
 from jaxrl_tools.cli import main, split_overrides
@@ -37,36 +37,21 @@ def base(tmp_path_factory):
     """A valid tiny run (retool protocol, the Python tool, generated data) and its folder."""
     d = tmp_path_factory.mktemp("check")
     build_tokenizer(d / "tok", vocab_size=300)
-    cfg = {
-        "model": {"tiny": TINY_RUN_MODEL},
-        "tokenizer": {"path": str(d / "tok"), "vocab_size": 300},
-        "data": {
-            "task": "tool_arithmetic",
-            "task_train_size": 16,
-            "task_eval_size": 4,
-            "task_difficulty": 1,
-            "batch_size": 2,
-            "eval_batch_size": 4,
-        },
-        "rollout": {
-            "protocol": "retool",
-            "group_size": 4,
-            "max_prompt_len": 96,
-            "max_response_len": 16,
-            "chunk_size": 8,
-            "slots": 8,
-        },
-        "tools": [{"class": "python", "config": {"n_workers": 1}}],
-        "algorithm": {"kl_coef": 0.0},
-        "reward": [{"name": "math", "kwargs": {"correct": 1.0, "wrong": 0.0}}],
-        "optim": {"micro_batch_size": 4},
-        "trainer": {
+    cfg = tiny_run_config(
+        d,
+        "base",
+        {"name": "math", "kwargs": {"correct": 1.0, "wrong": 0.0}},
+        tokenizer={"path": str(d / "tok")},
+        data={"task_train_size": 16, "eval_batch_size": 4},
+        rollout={"protocol": "retool", "max_response_len": 16},
+        tools=[{"class": "python", "config": {"n_workers": 1}}],
+        trainer={
             "steps": 2,
             "checkpoint_dir": str(d / "ckpt"),
             "log_dir": str(d / "logs"),
             "resume": False,
         },
-    }
+    )
     path = d / "base.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return d, path

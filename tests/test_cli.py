@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 import yaml
-from fakes import TINY_RUN_MODEL
+from fakes import tiny_run_config
 
 from jaxrl_tools.cli import main
 
@@ -13,38 +13,24 @@ from jaxrl_tools.cli import main
 @pytest.fixture(scope="module")
 def run_config(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
-    cfg = {
-        "model": {"tiny": TINY_RUN_MODEL},
-        "tokenizer": {"path": str(d / "tok"), "vocab_size": 300},
-        "data": {
-            "task": "tool_arithmetic",
-            "task_train_size": 64,
-            "task_eval_size": 8,
-            "task_difficulty": 1,
-            "batch_size": 2,
-            "eval_batch_size": 8,
-        },
-        "rollout": {
-            "protocol": "retool",
-            "group_size": 4,
-            "max_prompt_len": 96,
-            "max_response_len": 16,
-            "chunk_size": 8,
-            "slots": 8,
-        },
-        "tools": [{"class": "python", "config": {"n_workers": 1}}],
-        "algorithm": {"kl_coef": 0.0},
-        "reward": [{"name": "math", "kwargs": {"correct": 1.0, "wrong": 0.0}}],
-        "optim": {"lr": 1e-3, "micro_batch_size": 8},
-        "trainer": {
+    cfg = tiny_run_config(
+        d,
+        "tiny",
+        {"name": "math", "kwargs": {"correct": 1.0, "wrong": 0.0}},
+        tokenizer={"path": str(d / "tok")},
+        data={"task_eval_size": 8, "eval_batch_size": 8},
+        rollout={"protocol": "retool", "max_response_len": 16},
+        tools=[{"class": "python", "config": {"n_workers": 1}}],
+        optim={"micro_batch_size": 8},
+        trainer={
             "steps": 2,
             "checkpoint_dir": str(d / "ckpt"),
             "checkpoint_every": 1,
             "log_dir": str(d / "logs"),
             "resume": False,
         },
-        "sft": {"enabled": True, "epochs": 1, "num_traces": 16, "batch_size": 8, "lr": 1e-3},
-    }
+        sft={"enabled": True, "epochs": 1, "num_traces": 16, "batch_size": 8, "lr": 1e-3},
+    )
     path = d / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert main(["train", "--config", str(path)]) == 0

@@ -18,7 +18,6 @@ from jaxrl_tools.data import (
     loader_from_config,
 )
 from jaxrl_tools.prompts import render_prompt, select_tools
-from jaxrl_tools.tasks.tokenizer import build_tokenizer
 from jaxrl_tools.tools import PythonTool
 
 
@@ -31,11 +30,6 @@ def _write_jsonl(path, rows):
 
 def _rows(n):
     return [{"prompt": f"What is {i} + 1?", "ground_truth": str(i + 1), "id": i} for i in range(n)]
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return build_tokenizer(tmp_path_factory.mktemp("tok") / "t", vocab_size=512)
 
 
 def test_jsonl_and_parquet(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from openenv.core.env_server import types as openenv_types
 from openenv.core.env_server.interfaces import Environment
-from test_rollout_loop import _engine, tiny, tok  # noqa: F401 -- the scripted engine, fixtures
+from test_rollout_loop import _engine  # the scripted engine
 
 from jaxrl_tools import cli, configs
 from jaxrl_tools.config import RolloutSection
@@ -154,8 +154,8 @@ def test_environments_that_cannot_be_built_are_one_line_errors():
 
 
 @pytest.mark.parametrize("name", ["gymnasium", "openenv"])
-def test_the_rollout_loop_plays_an_environment_of_the_users(name, tiny, tok):  # noqa: F811
-    eng, params = _engine(tiny, tok, ["3<|im_end|>", "8<|im_end|>"])  # the model's turns
+def test_the_rollout_loop_plays_an_environment_of_the_users(name, tok_model, tok):
+    eng, params = _engine(tok_model, tok, ["3<|im_end|>", "8<|im_end|>"])  # the model's turns
     settings = RolloutSection(protocol="none", max_prompt_len=256, max_response_len=64, slots=2)
     episodes = Episodes(name, KWARGS[name], max_turns=3)
     (t,) = Sampler(eng, tok, None, settings, episodes=episodes)(episodes.records([4]), 1, params)

@@ -12,12 +12,6 @@ from jaxrl_tools.envs import Episodes, parse_turn
 from jaxrl_tools.envs.episodes import window_text
 from jaxrl_tools.envs.oracle import shortest_plan
 from jaxrl_tools.tasks import grid_games
-from jaxrl_tools.tasks.tokenizer import build_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return build_tokenizer(tmp_path_factory.mktemp("tok") / "t", vocab_size=512)
 
 
 def actions_of(messages, actions, k):

@@ -6,6 +6,8 @@ relative) and weights after one AdamW step (1e-6) of `interop.jax_update` match
 `interop.reference.torch_update`, which shares nothing with our side but the batch file.
 """
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import pyarrow as pa
@@ -17,13 +19,8 @@ from fakes import fixed_trajectories
 
 from jaxrl_tools import algorithms, interop, models
 from jaxrl_tools.cli import main
-from jaxrl_tools.config import (
-    AlgorithmSection,
-    ConfigError,
-    ModelSection,
-    OptimSection,
-    RunConfig,
-)
+from jaxrl_tools.config import AlgorithmSection, ConfigError, RunConfig
+from jaxrl_tools.config_loader import config_from_dict
 from jaxrl_tools.data import DataError
 from jaxrl_tools.interop import reference, trl_grpo
 from jaxrl_tools.models.hf_io import from_hf_tensors, hf_names, to_hf_tensors
@@ -124,13 +121,24 @@ def update_settings(**algorithm) -> interop.UpdateSettings:
     return interop.UpdateSettings(AlgorithmSection(**{"kl_coef": 0.0, **algorithm}))
 
 
+def grpo_run(folder: str) -> dict:
+    """The run config of the GRPO case, as its YAML file reads."""
+    return {
+        "model": {"path": folder},
+        "algorithm": {"adv_estimator": "grpo", "kl_coef": 0.1, "kl_type": "low_var_kl"},
+        "optim": {"lr": 1e-6, "grad_clip": None},
+    }
+
+
 def grpo_run_config(folder: str) -> RunConfig:
-    """The run config of the GRPO case; the repro CLI test loads the same settings from YAML."""
-    return RunConfig(
-        model=ModelSection(path=folder),
-        algorithm=AlgorithmSection(adv_estimator="grpo", kl_coef=0.1, kl_type="low_var_kl"),
-        optim=OptimSection(lr=1e-6, grad_clip=None),
-    )
+    return config_from_dict(grpo_run(folder))
+
+
+def grpo_run_yaml(folder: str, tmp_path: Path) -> Path:
+    """The GRPO case's run config written where `repro --config` reads it."""
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(grpo_run(folder)))
+    return path
 
 
 # (family, settings): every family and every estimator (GRPO with KL in the loss and the dual
@@ -361,13 +369,7 @@ def test_repro_command_passes_and_fails_on_a_perturbed_batch(policy, tmp_path, c
     bad["responses"][0, 0] = (bad["responses"][0, 0] + 1) % 256  # one sampled token differs
     bad["input_ids"] = np.concatenate([bad["prompts"], bad["responses"]], axis=1)
     interop.save_batch(tmp_path / "bad.parquet", bad, settings.to_dict())
-    config = {
-        "model": {"path": folder},
-        "algorithm": {"adv_estimator": "grpo", "kl_coef": 0.1, "kl_type": "low_var_kl"},
-        "optim": {"lr": 1e-6, "grad_clip": None},
-    }
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    run = ["repro", "--config", str(tmp_path / "run.yaml"), "--batch"]
+    run = ["repro", "--config", str(grpo_run_yaml(folder, tmp_path)), "--batch"]
 
     assert main([*run, str(tmp_path / "good.parquet"), "--torch", "--trl"]) == 0
     out = capsys.readouterr().out

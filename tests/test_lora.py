@@ -13,7 +13,7 @@ import peft
 import pytest
 import torch
 import transformers
-from fakes import VOCAB, fixed_trajectories, tiny_model_config
+from fakes import VOCAB, fixed_batch, fixed_trajectories, tiny_model_config
 
 from jaxrl_tools import algorithms, models, run
 from jaxrl_tools.config import ConfigError
@@ -23,7 +23,7 @@ from jaxrl_tools.engine.sampling import SamplingParams
 from jaxrl_tools.models import peft_io
 from jaxrl_tools.sharding import logical_to_spec
 from jaxrl_tools.train import objectives
-from jaxrl_tools.train.batch import make_batch, pad_trajectories
+from jaxrl_tools.train.batch import pad_trajectories
 from jaxrl_tools.train.checkpoint import Checkpointer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,12 +44,6 @@ def _nonzero_adapters(config, lora, seed=1, b_std=0.05):
 
 def _ids(B=3, T=12, seed=0, vocab=VOCAB):
     return jnp.asarray(np.random.RandomState(seed).randint(0, vocab, (B, T)), jnp.int32)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    config = tiny_model_config()
-    return config, models.init_params(config, jax.random.key(0))
 
 
 # ------------------------------------------------------------------------------ the model
@@ -163,8 +157,6 @@ def test_lora_grpo_gradient_is_the_dense_gradient_chained_to_a_and_b(tiny):
 
 # ------------------------------------------------------------------------------ the trainer
 
-RECORDS = [{"prompt": "q", "ground_truth": "7"}] * 2
-
 
 def _lora_run_config(**lora):
     return config_from_dict(
@@ -184,15 +176,7 @@ def _lora_run_config(**lora):
 def _trainer_and_batch(cfg, params):
     config = tiny_model_config()
     trainer = run.make_trainer(cfg, config, params)
-    batch = make_batch(
-        RECORDS,
-        fixed_trajectories(),
-        run.make_reward(cfg),
-        cfg.algorithm.filters,
-        group_size=4,
-        rows=trainer.rows,
-        pad_id=0,
-    )
+    batch = fixed_batch(cfg, trainer.rows)
     return trainer, batch
 
 

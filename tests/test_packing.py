@@ -5,13 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fakes import VOCAB, tiny_model_config
+from fakes import VOCAB, fixed_batch, tiny_model_config
 
 from jaxrl_tools import algorithms, models, run
 from jaxrl_tools.config_loader import config_from_dict
 from jaxrl_tools.models import attention as A
 from jaxrl_tools.train import sft
-from jaxrl_tools.train.batch import make_batch
 from jaxrl_tools.train.packing import plan_packing
 from jaxrl_tools.types import Span, Trajectory
 
@@ -50,12 +49,6 @@ def test_layout_places_every_token_once_and_round_trips():
     np.testing.assert_array_equal(np.asarray(lay.pack(jnp.asarray(tokens))), packed)
     with pytest.raises(ValueError, match="row 0 has 30 tokens, more than width 16"):
         plan_packing(LENGTHS, 16)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = tiny_model_config()
-    return cfg, models.init_params(cfg, jax.random.key(0))
 
 
 @pytest.mark.parametrize("impl", ["dense", "chunked"])
@@ -193,21 +186,12 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_packed_update_equals_padded_update(case):
     trajs = _varied_trajectories()
-    records = [{"prompt": "q", "ground_truth": "7"}] * 2
     params = {}
     for pack in (False, True):
         cfg = _rl_config(pack, CASES[case], ppo_epochs=2)
         model_cfg = tiny_model_config()
         trainer = run.make_trainer(cfg, model_cfg, models.init_params(model_cfg, jax.random.key(0)))
-        batch = make_batch(
-            records,
-            trajs,
-            run.make_reward(cfg),
-            cfg.algorithm.filters,
-            group_size=4,
-            rows=trainer.rows,
-            pad_id=0,
-        )
+        batch = fixed_batch(cfg, trainer.rows, trajs)
         metrics = trainer.step(batch)  # two epochs: two updates
         if pack:
             # 8 sequences of 6..25 tokens in rows of 32 fill 5 rows, rounded up to 6 (micro 2).

@@ -236,11 +236,10 @@ if __name__ == "__main__":
 def test_the_planned_step_is_the_trained_step(monkeypatch):
     """`plan` compiles the very function the trainer runs: one `RLStep` object, for a run with
     truncated importance weights, packed rows and a critic."""
-    from fakes import TINY_RUN_MODEL, fixed_trajectories
+    from fakes import TINY_RUN_MODEL, fixed_batch
 
     from jaxrl_tools import run, step_config
     from jaxrl_tools.config_loader import config_from_dict
-    from jaxrl_tools.train.batch import make_batch
     from jaxrl_tools.train.step import RLStep
 
     cfg = config_from_dict(
@@ -267,15 +266,7 @@ def test_the_planned_step_is_the_trained_step(monkeypatch):
     trainer = run.make_trainer(
         cfg, model_cfg, models.init_params(model_cfg, jax.random.key(0)), mesh
     )
-    batch = make_batch(
-        [{"prompt": "q", "ground_truth": "7"}] * 2,
-        fixed_trajectories(),
-        run.make_reward(cfg),
-        cfg.algorithm.filters,
-        group_size=4,
-        rows=trainer.rows,
-        pad_id=0,
-    )
+    batch = fixed_batch(cfg, trainer.rows)
     metrics = trainer.step(batch)
     want = {"actor/off_policy/is_weight_mean", "critic/loss", "packing/rows"}
     assert want <= set(metrics), metrics

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
+from fakes import hf_greedy, tiny_hf_model
 
 from jaxrl_tools import models
 from jaxrl_tools.engine.sampling import GREEDY, SamplingParams
@@ -19,65 +19,12 @@ VOCAB = 96
 _forward = jax.jit(models.forward, static_argnums=0)
 
 
-def _hf_config(kind: str, eos=None):
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=eos,
-        pad_token_id=0,
-        bos_token_id=None,
-    )
-    if kind == "qwen2":
-        return transformers.Qwen2Config(**common, tie_word_embeddings=True)
-    if kind == "qwen3":
-        return transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
-    return transformers.LlamaConfig(**common, tie_word_embeddings=False)
-
-
-def make_model(tmp_path, kind: str, eos=None, seed=0):
-    torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(_hf_config(kind, eos))
-    with torch.no_grad():  # bigger weights than the default 0.02 init: less tied argmaxes
-        for p in hf.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.15)
-    hf.eval()
-    path = tmp_path / kind
-    hf.save_pretrained(path)
-    config, params = models.from_pretrained(path)
-    return hf, config, params
-
-
 @pytest.fixture(scope="module", params=["qwen2", "qwen3", "llama"])
 def model(request, tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("m"), request.param)
+    return tiny_hf_model(tmp_path_factory.mktemp("m"), request.param)
 
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 12], [7, 3], [11, 64, 25, 18, 90, 4, 31, 56, 77, 20, 13]]
-
-
-def hf_greedy(hf, prompts, n):
-    T = max(map(len, prompts))
-    ids = torch.zeros((len(prompts), T), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, T - len(p) :] = torch.tensor(p)
-        mask[i, T - len(p) :] = 1
-    with torch.no_grad():
-        out = hf.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[:, T:].numpy()
 
 
 def test_greedy_matches_hf_generate(model):
@@ -300,7 +247,7 @@ def test_parked_row_decodes_on_in_another_slot_as_if_it_had_stayed(jet_model):
 
 @pytest.fixture(scope="module")
 def jet_model(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("jet"), "qwen2", eos=None, seed=1)
+    return tiny_hf_model(tmp_path_factory.mktemp("jet"), "qwen2", seed=1)
 
 
 def test_jetstream_engine_api(jet_model):

@@ -7,55 +7,27 @@ token, on both engines."""
 
 import asyncio
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from fakes import free_or_forced_hook, tiny_model_config
+from fakes import forced_engine
 from jetstream.engine import engine_api
 
-from jaxrl_tools import models
 from jaxrl_tools.config import ConfigError, RolloutSection
 from jaxrl_tools.config.rollout import ENGINES
 from jaxrl_tools.engine.jetstream import DecodeEngine
 from jaxrl_tools.rollout import EngineCore, RolloutLimits, Sampler, make_engine, run_rollouts
 from jaxrl_tools.rollout.sampler import ENGINE_CLASSES
-from jaxrl_tools.tasks.tokenizer import build_tokenizer
 from jaxrl_tools.tools import ToolExecutor, function_tool
 
 SCRIPT_LEN = 96
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return build_tokenizer(tmp_path_factory.mktemp("tok") / "t", vocab_size=512)
-
-
-@pytest.fixture(scope="module")
-def tiny(tok):
-    config = tiny_model_config(vocab_size=len(tok), attention_bias=False)
-    return config, models.init_params(config, jax.random.PRNGKey(0))
-
-
-def _scripted_engine(name, tiny, tok):
+def _scripted_engine(name, tok_model, tok):
     """An engine of kind `name` whose samples think freely, call `slow`, think, and answer."""
-    config, params = tiny
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     call = enc('<tool_call>\n{"name": "slow", "arguments": {"x": 1}}\n</tool_call>')
     script = [-1] * 10 + call + [-1] * 8 + enc("Done.<|im_end|>")
     script += [script[-1]] * (SCRIPT_LEN - len(script))
-    added = np.zeros((config.vocab_size,), bool)
-    added[list(tok.get_added_vocab().values())] = True
-    return ENGINE_CLASSES[name]()(
-        config,
-        params,
-        slots=2,
-        max_len=768,
-        max_prefill_length=512,
-        tokenizer=tok,
-        logits_hook=free_or_forced_hook,
-        hook_data=(jnp.asarray(script, jnp.int32), jnp.asarray(added)),
-    )
+    return forced_engine(tok_model, tok, script, engine_class=ENGINE_CLASSES[name]())
 
 
 @function_tool
@@ -71,8 +43,8 @@ SETTINGS = RolloutSection(
 )  # fmt: skip
 
 
-def test_rollout_engine_setting_builds_that_engine(tiny, tok):
-    config, params = tiny
+def test_rollout_engine_setting_builds_that_engine(tok_model, tok):
+    config, params = tok_model
     jet = make_engine(config, params, tok, RolloutSection(engine="jetstream", slots=2))
     assert isinstance(jet, DecodeEngine) and isinstance(jet, engine_api.Engine)
     core = make_engine(config, params, tok, RolloutSection(slots=2))
@@ -84,14 +56,16 @@ def test_rollout_engine_setting_builds_that_engine(tiny, tok):
     assert tuple(ENGINE_CLASSES) == ENGINES  # the config's names are the sampler's classes
 
 
-def test_both_engines_give_the_same_trajectories_token_for_token(tiny, tok):
+def test_both_engines_give_the_same_trajectories_token_for_token(tok_model, tok):
     """6 samples on 2 slots through the RL sampler, sampled at temperature 1 between the forced
     tool call and answer, parked while the tool sleeps: the same tokens, log-probs, spans,
     tool records and scheduling on EngineCore and on the JetStream Engine."""
-    _, params = tiny
+    _, params = tok_model
     runs = {}
     for name in ("core", "jetstream"):
-        sampler = Sampler(_scripted_engine(name, tiny, tok), tok, ToolExecutor([slow]), SETTINGS)
+        sampler = Sampler(
+            _scripted_engine(name, tok_model, tok), tok, ToolExecutor([slow]), SETTINGS
+        )
         records = [{"prompt": "Go."}, {"prompt": "Again."}]
         runs[name] = (sampler(records, 3, params, seed=5), sampler.take_metrics())
     (core, core_m), (jet, jet_m) = runs["core"], runs["jetstream"]
@@ -119,9 +93,9 @@ class _Recorder:
         return value
 
 
-def test_the_driver_makes_engine_api_calls_and_the_named_extensions(tiny, tok):
-    _, params = tiny
-    eng = _Recorder(_scripted_engine("jetstream", tiny, tok))
+def test_the_driver_makes_engine_api_calls_and_the_named_extensions(tok_model, tok):
+    _, params = tok_model
+    eng = _Recorder(_scripted_engine("jetstream", tok_model, tok))
     trajs = run_rollouts(
         eng,
         params,

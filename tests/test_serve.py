@@ -14,7 +14,6 @@ import sys
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
@@ -141,10 +140,10 @@ def test_tools_run_server_side_in_the_sandbox(tmp_path):
     # The ReTool recipe of tests/test_train_e2e.py: a tiny policy scripted (logits hook) to call
     # the Python tool on "6*7" and then answer; the real sandbox runs the call.
     import grpc
-    from test_train_e2e import RECORDS, _config, _scripts, forcing_hook
+    from test_train_e2e import RECORDS, _config, scripted_engine
 
     from jaxrl_tools import models
-    from jaxrl_tools.rollout import EngineCore, Sampler
+    from jaxrl_tools.rollout import Sampler
     from jaxrl_tools.serve import ToolServer, tool_servicer
     from jaxrl_tools.tools import ToolExecutor
 
@@ -157,16 +156,7 @@ def test_tools_run_server_side_in_the_sandbox(tmp_path):
     )
     cfg = _config()
     tools = run.setup_tools(cfg)
-    engine = EngineCore(
-        model_cfg,
-        None,
-        slots=8,
-        max_len=128,
-        max_prefill_length=64,
-        tokenizer=tok,
-        logits_hook=forcing_hook,
-        hook_data=jnp.asarray(_scripts(tok)),
-    )
+    engine = scripted_engine(tok, model_cfg)
     sampler = Sampler(engine, tok, ToolExecutor(tools, max_concurrency=2), cfg.rollout)
     params = models.init_params(model_cfg, jax.random.key(0))
     port = free_port()

@@ -8,14 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fakes import VOCAB, tiny_model_config
+from fakes import VOCAB, fixed_batch, tiny_model_config
 from test_packing import CASES, _rl_config, _varied_trajectories
 
 from jaxrl_tools import algorithms, models, run
 from jaxrl_tools.config_loader import config_from_dict
 from jaxrl_tools.models import attention as A
 from jaxrl_tools.train import objectives, policy
-from jaxrl_tools.train.batch import make_batch
 from jaxrl_tools.train.packing import plan_packing, plan_shared_packing, slot_width, take_tokens
 from jaxrl_tools.train.step import StepSettings
 from jaxrl_tools.train.step_inputs import shared_slots, step_inputs
@@ -106,12 +105,6 @@ def test_a_later_batch_that_fits_the_slots_so_far_keeps_their_shapes():
     assert shared_slots({"rows": rows}) == (24, 16)  # rounded up: 4 widths per doubling
     assert shared_slots({"rows": rows}, (30, 9)) == (30, 16)
     assert shared_slots({"rows": {"tokens": short}}, (22, 15)) == (22, 15)  # plain: unchanged
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = tiny_model_config()
-    return cfg, models.init_params(cfg, jax.random.key(0))
 
 
 @pytest.mark.parametrize("impl", ["dense", "chunked"])
@@ -224,12 +217,9 @@ LOSSES = {
 def _actor_loss_and_grad(model_cfg, params, algorithm: dict, share: bool):
     """The actor loss, and its gradient, of the step's own inputs for two groups of 4."""
     trajs = _varied_trajectories()
-    records = [{"prompt": "q", "ground_truth": "7"}] * 2
     cfg = _rl_config(False, algorithm, share_prefix=share, pack_width=WIDE if share else None)
     settings = StepSettings(model_cfg, cfg.algorithm, cfg.optim, cfg.critic, group_size=4)
-    batch = make_batch(
-        records, trajs, run.make_reward(cfg), cfg.algorithm.filters, group_size=4, rows=8, pad_id=0
-    )
+    batch = fixed_batch(cfg, 8, trajs)
     inputs, _ = step_inputs(batch, settings)
     rows = dict(inputs["rows"])
     assert ("prompt_keys" in rows) == share  # each group's prompt once, in its slot
@@ -263,7 +253,6 @@ def test_loss_and_every_gradient_equal_the_padded_ones(tiny, case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_shared_prefix_update_equals_the_padded_update(case):
     trajs = _varied_trajectories()
-    records = [{"prompt": "q", "ground_truth": "7"}] * 2
     params, metrics = {}, {}
     for layout, optim in (
         ("padded", {}),
@@ -273,10 +262,7 @@ def test_a_shared_prefix_update_equals_the_padded_update(case):
         cfg = _rl_config(False, CASES[case], ppo_epochs=2, **optim)
         model_cfg = tiny_model_config()
         trainer = run.make_trainer(cfg, model_cfg, models.init_params(model_cfg, jax.random.key(0)))
-        batch = make_batch(
-            records, trajs, run.make_reward(cfg), cfg.algorithm.filters, group_size=4,
-            rows=trainer.rows, pad_id=0,
-        )  # fmt: skip
+        batch = fixed_batch(cfg, trainer.rows, trajs)
         metrics[layout] = trainer.step(batch)
         params[layout] = trainer.params
         if trainer.critic_state is not None:

@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-import yaml
-from test_interop import grpo_run_config, random_batch, torch_logp
+from test_interop import grpo_run_config, grpo_run_yaml, random_batch, torch_logp
 
 from jaxrl_tools import interop, models, prompts
 from jaxrl_tools.cli import main
@@ -269,19 +268,8 @@ def test_repro_trl_one_grpo_update_on_the_real_model(smollm2, tmp_path, capsys):
     settings = interop.UpdateSettings.from_run_config(grpo_run_config(folder))
     batch["advantages"] = torch_reference.advantages(batch, settings)[0].numpy().astype(np.float32)
     interop.save_batch(tmp_path / "batch.parquet", batch, settings.to_dict())
-    config = {
-        "model": {"path": folder},
-        "algorithm": {"adv_estimator": "grpo", "kl_coef": 0.1, "kl_type": "low_var_kl"},
-        "optim": {"lr": 1e-6, "grad_clip": None},
-    }
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    run = [
-        "repro",
-        "--config",
-        str(tmp_path / "run.yaml"),
-        "--batch",
-        str(tmp_path / "batch.parquet"),
-    ]
+    config = grpo_run_yaml(folder, tmp_path)
+    run = ["repro", "--config", str(config), "--batch", str(tmp_path / "batch.parquet")]
     code = main([*run, "--trl"])
     out = capsys.readouterr().out
     print("\n" + out)

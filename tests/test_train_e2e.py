@@ -80,6 +80,21 @@ def _scripts(tok) -> np.ndarray:
     return np.asarray(rows, np.int32)
 
 
+def scripted_engine(tok, model_cfg) -> EngineCore:
+    """An engine (8 slots, 128 tokens of context, no weights yet) whose samples follow
+    `_scripts(tok)` (`forcing_hook`)."""
+    return EngineCore(
+        model_cfg,
+        None,
+        slots=8,
+        max_len=128,
+        max_prefill_length=64,
+        tokenizer=tok,
+        logits_hook=forcing_hook,
+        hook_data=jnp.asarray(_scripts(tok)),
+    )
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tok = build_tokenizer(tmp_path_factory.mktemp("tok") / "t", vocab_size=300)
@@ -91,16 +106,7 @@ def setup(tmp_path_factory):
     cfg = _config()
     tools = run.setup_tools(cfg)
     executor = ToolExecutor(tools, max_concurrency=4, timeout_s=10.0)
-    engine = EngineCore(
-        model_cfg,
-        None,
-        slots=8,
-        max_len=128,
-        max_prefill_length=64,
-        tokenizer=tok,
-        logits_hook=forcing_hook,
-        hook_data=jnp.asarray(_scripts(tok)),
-    )
+    engine = scripted_engine(tok, model_cfg)
     yield tok, model_cfg, engine, executor
     run.close_tools(tools)
 

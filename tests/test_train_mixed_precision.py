@@ -8,16 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fakes import fixed_trajectories, tiny_model_config
+from fakes import fixed_batch, tiny_model_config
 
 from jaxrl_tools import models, run
 from jaxrl_tools.config import ConfigError
 from jaxrl_tools.config_loader import config_from_dict
 from jaxrl_tools.rollout import EngineCore
-from jaxrl_tools.train.batch import make_batch
 from jaxrl_tools.train.state import make_optimizer
-
-RECORDS = [{"prompt": "q", "ground_truth": "7"}] * 2
 
 
 def _config(**model):
@@ -43,15 +40,7 @@ def _one_update(cfg, params0):
     )
     before = jax.tree.map(np.asarray, params)
     trainer = run.make_trainer(cfg, model_cfg, params)
-    batch = make_batch(
-        RECORDS,
-        fixed_trajectories(),
-        run.make_reward(cfg),
-        cfg.algorithm.filters,
-        group_size=cfg.rollout.group_size,
-        rows=trainer.rows,
-        pad_id=0,
-    )
+    batch = fixed_batch(cfg, trainer.rows, group_size=cfg.rollout.group_size)
     trainer.step(batch)
     return trainer, before, jax.tree.map(np.asarray, trainer.params)
 

@@ -7,13 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fakes import VOCAB, fixed_trajectories, tiny_model_config
+from fakes import VOCAB, fixed_batch, fixed_trajectories, tiny_model_config
 
 from jaxrl_tools import models, run
 from jaxrl_tools.config.training import SCHEDULES
 from jaxrl_tools.config_loader import config_from_dict
 from jaxrl_tools.train import objectives, policy
-from jaxrl_tools.train.batch import make_batch, pad_trajectories
+from jaxrl_tools.train.batch import pad_trajectories
 from jaxrl_tools.train.state import accumulate_gradients, make_optimizer
 from jaxrl_tools.types import Batch
 
@@ -41,15 +41,7 @@ class Trainer:
         model_cfg = tiny_config()
         params = models.init_params(model_cfg, jax.random.key(seed))
         self.rl = run.make_trainer(cfg, model_cfg, params)
-        self.batch = make_batch(
-            RECORDS,
-            trajectories,
-            run.make_reward(cfg),
-            cfg.algorithm.filters,
-            group_size=cfg.rollout.group_size,
-            rows=self.rl.rows,
-            pad_id=0,
-        )
+        self.batch = fixed_batch(cfg, self.rl.rows, trajectories, group_size=cfg.rollout.group_size)
 
     def step(self):
         return self.rl.step(self.batch)
@@ -59,7 +51,6 @@ class Trainer:
 
 
 make_trainer = Trainer
-RECORDS = [{"prompt": "q", "ground_truth": "7"}] * 2
 
 
 def test_pad_aligns_tokens_and_masks():

@@ -16,7 +16,14 @@ import os
 import sys
 
 import pytest
-from fakes import FAST_COMPILE, VOCAB, fixed_trajectories, run_on_8_devices, tiny_model_config
+from fakes import (
+    FAST_COMPILE,
+    VOCAB,
+    fixed_batch,
+    fixed_trajectories,
+    run_on_8_devices,
+    tiny_model_config,
+)
 
 MESHES = ("2x2x2", "1x4x2")
 # (name, algorithm section, extra config): GRPO with a reference policy (KL in the loss), and
@@ -93,7 +100,6 @@ def _run(name: str, mesh):
 
     from jaxrl_tools import models, run
     from jaxrl_tools.config_loader import config_from_dict
-    from jaxrl_tools.train.batch import make_batch
 
     algorithm, extra = RUNS[name]
     raw = {
@@ -113,16 +119,7 @@ def _run(name: str, mesh):
     init = jax.tree.map(np.asarray, params)
     trajs = fixed_trajectories()
     trainer = run.make_trainer(cfg, model_cfg, params, mesh)
-    records = [{"prompt": "q", "ground_truth": "7"}] * 2
-    batch = make_batch(
-        records,
-        trajs,
-        run.make_reward(cfg),
-        cfg.algorithm.filters,
-        group_size=4,
-        rows=trainer.rows,
-        pad_id=0,
-    )
+    batch = fixed_batch(cfg, trainer.rows, trajs)
     metrics = [trainer.step(batch) for _ in range(STEPS)]
     return trainer, init, metrics
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_agents import _enc, _engine, tiny, tok  # noqa: F401 -- scripted engine, fixtures
+from test_agents import _enc, _engine  # the scripted engine
 
 from jaxrl_tools import cli
 from jaxrl_tools.agents.rollouts import run_agent_rollouts
@@ -35,8 +35,8 @@ def test_a_tasksets_tasks_are_the_records_of_each_split():
         records({"taskset": "vf-products", "train": {"splt": "x"}}, "train")
 
 
-def _rollouts(tiny, tok, section, script):  # noqa: F811
-    eng, params = _engine(tiny, tok, [t for s in script for t in _enc(tok, s)])
+def _rollouts(tok_model, tok, section, script):
+    eng, params = _engine(tok_model, tok, [t for s in script for t in _enc(tok, s)])
     limits = RolloutLimits(max_response_tokens=200, chunk_size=8)
     recs = records(section, "train")
     trajs = run_agent_rollouts(
@@ -46,17 +46,17 @@ def _rollouts(tiny, tok, section, script):  # noqa: F811
     return recs, trajs
 
 
-def test_verifiers_runs_its_episodes_against_the_policy_and_scores_them(tiny, tok):  # noqa: F811
-    _, trajs = _rollouts(tiny, tok, SECTION, ["42<|im_end|>"])
+def test_verifiers_runs_its_episodes_against_the_policy_and_scores_them(tok_model, tok):
+    _, trajs = _rollouts(tok_model, tok, SECTION, ["42<|im_end|>"])
     assert [t.agent_reward for t in trajs] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]  # 6 * 7 only
     for t in trajs:
         assert tok.decode(t.response_ids) == "42<|im_end|>" and all(t.loss_mask)
 
 
-def test_a_tasks_mcp_tool_runs_between_the_policys_turns(tiny, tok, monkeypatch):  # noqa: F811
+def test_a_tasks_mcp_tool_runs_between_the_policys_turns(tok_model, tok, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # verifiers' tool server
     section = {**SECTION, "train": {"split": "train", "task": {"with_tool": True}}}
-    recs, trajs = _rollouts(tiny, tok, section, [CALL + "<|im_end|>", "42<|im_end|>"])
+    recs, trajs = _rollouts(tok_model, tok, section, [CALL + "<|im_end|>", "42<|im_end|>"])
     assert [t.agent_reward for t in trajs] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     t = trajs[0]
     text = tok.decode(t.response_ids)

@@ -54,6 +54,15 @@ class Observation:
         return cls(text=text, ok=False, metrics=dict(metrics))
 
 
+def string_argument(name: str, description: str) -> dict:
+    """The JSON schema of a tool's arguments when they are one required string, `name`."""
+    return {
+        "type": "object",
+        "properties": {name: {"type": "string", "description": description}},
+        "required": [name],
+    }
+
+
 def truncate_middle(text: str, max_chars: int) -> str:
     """Cuts `text` to at most `max_chars` characters as head + "..." + tail."""
     if max_chars <= 0:

@@ -28,7 +28,13 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
-from jaxrl_tools.tools.base import Observation, Tool, register_tool, truncate_middle
+from jaxrl_tools.tools.base import (
+    Observation,
+    Tool,
+    register_tool,
+    string_argument,
+    truncate_middle,
+)
 from jaxrl_tools.tools.search import BM25Index
 
 
@@ -130,11 +136,7 @@ class WebSearchTool(_WebTool):
 
     name = "web_search"
     description = "Search the web; returns the top results with their title, url and snippet."
-    parameters = {
-        "type": "object",
-        "properties": {"query": {"type": "string", "description": "The search query."}},
-        "required": ["query"],
-    }
+    parameters = string_argument("query", "The search query.")
 
     def __init__(
         self,
@@ -168,11 +170,7 @@ class BrowseTool(_WebTool):
 
     name = "browse"
     description = "Open a web page by its url and return its text."
-    parameters = {
-        "type": "object",
-        "properties": {"url": {"type": "string", "description": "The page's url."}},
-        "required": ["url"],
-    }
+    parameters = string_argument("url", "The page's url.")
 
     async def _call(self, arguments: dict, session_id: str | None) -> Observation:
         url = self._arg(arguments, "url")

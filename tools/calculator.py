@@ -13,6 +13,7 @@ from jaxrl_tools.tools.base import (
     format_int,
     register_tool,
     safe_repr,
+    string_argument,
 )
 
 _BINOPS = {
@@ -164,13 +165,7 @@ class CalculatorTool(Tool):
         "Evaluate an arithmetic expression, e.g. '(3 + 4) * sqrt(2) / 7'. Supports "
         "+ - * / // % ** and sqrt, sin, cos, tan, log, exp, factorial, pi, e."
     )
-    parameters = {
-        "type": "object",
-        "properties": {
-            "expression": {"type": "string", "description": "The expression to evaluate."}
-        },
-        "required": ["expression"],
-    }
+    parameters = string_argument("expression", "The expression to evaluate.")
 
     async def _call(self, arguments: dict, session_id: str | None) -> Observation:
         expression = arguments.get("expression")

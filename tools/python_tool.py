@@ -20,6 +20,7 @@ from jaxrl_tools.tools.base import (
     Tool,
     last_traceback_line,
     register_tool,
+    string_argument,
     truncate_middle,
 )
 from jaxrl_tools.tools.pool import SandboxPool
@@ -51,11 +52,7 @@ class PythonTool(Tool):
         "failure). numpy and sympy are available; no network, no files outside the "
         "working directory."
     )
-    parameters = {
-        "type": "object",
-        "properties": {"code": {"type": "string", "description": "The Python code to execute."}},
-        "required": ["code"],
-    }
+    parameters = string_argument("code", "The Python code to execute.")
 
     def __init__(
         self,

@@ -19,7 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxrl_tools.tools.base import Observation, Tool, register_tool, truncate_middle
+from jaxrl_tools.tools.base import (
+    Observation,
+    Tool,
+    register_tool,
+    string_argument,
+    truncate_middle,
+)
 
 
 def _bm25s():
@@ -273,11 +279,7 @@ class SearchTool(Tool):
 
     name = "search"
     description = "Search a knowledge base and return the top passages for a query."
-    parameters = {
-        "type": "object",
-        "properties": {"query": {"type": "string", "description": "The search query."}},
-        "required": ["query"],
-    }
+    parameters = string_argument("query", "The search query.")
 
     def __init__(
         self,

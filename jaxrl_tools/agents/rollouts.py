@@ -8,7 +8,7 @@ likes, and returns its reward (a number, or a dict with "reward"), or None to be
 recipe's reward like a built-in rollout. The record it gets carries "messages" (its prompt as
 chat messages, with the recipe's system prompt) and "tool_schemas" (the recipe's tools).
 
-Every completion is a segment of a sample of the one rollout driver (`rollout.loop.Driver`),
+Every completion is a segment of a sample of the one rollout driver (`rollout.driver.Driver`),
 decoded with the recipe's sampling (a request's temperature and top_p do not change the
 behaviour policy) and token limits per request (max_tokens) and per episode
 (`rollout.max_response_len`). A request whose prompt ids extend the episode's context exactly
@@ -33,16 +33,14 @@ arbitrary code, and the multi-controller driver would need every process to run 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import numbers
-import re
-import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
+from jaxrl_tools.agents.routes import CURRENT_GATEWAY, Gateway, Runs, http_base_url
 from jaxrl_tools.config.checks import agent_function
 from jaxrl_tools.engine.sampling import SamplingParams
 from jaxrl_tools.gateway.backend import BadRequest, Completion, Generation, OnTokens
@@ -50,7 +48,10 @@ from jaxrl_tools.gateway.chat import TemplateChat
 from jaxrl_tools.gateway.engine_backend import EngineBackend, RequestResolver, completion_of
 from jaxrl_tools.rollout.loop import RolloutLimits
 from jaxrl_tools.rollout.resolver import Append, Finish, Sample
-from jaxrl_tools.types import AGENT_TIMEOUT, Span, ToolCallRecord, Trajectory
+from jaxrl_tools.types import AGENT_TIMEOUT, ToolCallRecord, Trajectory
+
+# http_base_url lives in `routes`; agents import it from here (docs/guide/your-own-agent.md).
+__all__ = ["AgentError", "arun_agent_rollouts", "http_base_url", "load_agent", "run_agent_rollouts"]
 
 Agent = Callable[[Any, dict], Any]
 log = logging.getLogger(__name__)
@@ -172,92 +173,6 @@ class _EpisodeBackend:
         return done
 
 
-_RUN = contextvars.ContextVar("agent_run")  # the run a request on the shared routes is from
-_GATEWAY = contextvars.ContextVar("agent_gateway")  # the rollout's, for `http_base_url`
-_RUN_PATH = re.compile(r"/run/([^/]+)(/.*)")
-
-
-class _Runs:
-    """The `Backend` of the shared routes: each request goes to its run's `_EpisodeBackend`
-    (named by the path its client sends to)."""
-
-    def __init__(self, shared: EngineBackend):
-        self.tokenizer, self.model = shared.tokenizer, shared.model
-        self.max_context = shared.max_context
-        self.runs: dict[str, _EpisodeBackend] = {}
-
-    async def generate(self, gen: Generation, on_tokens: OnTokens | None = None) -> Completion:
-        return await self.runs[_RUN.get()].generate(gen, on_tokens)
-
-
-class _Gateway:
-    """The gateway's routes over every run of a rollout, each run under its own path
-    (`/run/<name>/v1/...`): in process for the official client (one app and one HTTP client
-    for all runs: a client each costs milliseconds), and on a loopback port once an agent asks
-    for one (`http_base_url`)."""
-
-    def __init__(self, runs: _Runs, chat: TemplateChat):
-        import httpx  # noqa: PLC0415 -- the [agents] extra
-        import openai  # noqa: PLC0415
-
-        from jaxrl_tools.gateway.app import make_app  # noqa: PLC0415 -- starlette: [agents]
-
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-        self.app = make_app(runs, chat)
-        self.http = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=self.routed), base_url="http://policy", timeout=None
-        )
-        self.client = openai.AsyncOpenAI(
-            base_url="http://policy/v1", api_key="in-process", http_client=self.http, max_retries=0
-        )
-        self._server, self._serving, self._started = None, None, None
-
-    async def routed(self, scope, receive, send):
-        match = _RUN_PATH.fullmatch(scope.get("path", "")) if scope["type"] == "http" else None
-        if match is not None:
-            _RUN.set(match[1])
-            scope = {**scope, "path": match[2], "raw_path": match[2].encode()}
-        await self.app(scope, receive, send)
-
-    def client_for(self, run: str):
-        return self.client.with_options(base_url=f"http://policy/run/{run}/v1")
-
-    async def loopback(self) -> str:
-        if self._started is None:  # one server, however many runs ask at once
-            self._started = asyncio.ensure_future(self._serve())
-        return await asyncio.shield(self._started)
-
-    async def _serve(self) -> str:
-        import uvicorn  # noqa: PLC0415 -- the [agents] extra
-
-        sock = socket.create_server(("127.0.0.1", 0))
-        config = uvicorn.Config(self.routed, log_level="warning", lifespan="off", interface="asgi3")
-        self._server = uvicorn.Server(config)
-        self._serving = asyncio.ensure_future(self._server.serve(sockets=[sock]))
-        while not self._server.started:
-            if self._serving.done():
-                self._serving.result()  # it failed to start: its error
-            await asyncio.sleep(0.005)
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-    async def aclose(self) -> None:
-        if self._serving is not None:
-            self._server.should_exit = True
-            await asyncio.gather(self._serving, return_exceptions=True)
-        await self.client.close()
-
-
-async def http_base_url(client) -> str:
-    """The gateway of the run `client` (the agent's) belongs to, as an OpenAI base URL over
-    HTTP on 127.0.0.1 (".../v1"), served for this rollout from the first call on: for agents
-    whose model calls leave the process or go through another HTTP client. No authentication:
-    the port is the loopback's, for the rollout's length."""
-    gateway = _GATEWAY.get(None)
-    if gateway is None:
-        raise RuntimeError("http_base_url: only a rollout.agent run has a gateway")
-    return await gateway.loopback() + client.base_url.path.rstrip("/")
-
-
 def _reward(result: Any, where: str) -> float | None:
     if result is None:
         return None
@@ -284,14 +199,9 @@ def _episode_trajectory(
     if not as_turns:
         t = parts[0]
     else:
-        t = Trajectory(ep.prompt_index, ep.sample_index, list(parts[0].prompt_ids), turns=parts)
+        t = Trajectory(ep.prompt_index, ep.sample_index, list(parts[0].prompt_ids), turns=[])
         for p in parts:
-            start = len(t.response_ids)
-            t.response_ids += p.response_ids
-            t.loss_mask += p.loss_mask
-            t.logprobs += p.logprobs
-            t.versions += p.versions
-            t.spans.append(Span("model", start, len(t.response_ids)))
+            t.add_turn(p)
             t.tool_calls += p.tool_calls
         t.finish_reason = parts[-1].finish_reason
         t.response_text = "\n".join(p.response_text for p in parts)
@@ -356,9 +266,9 @@ async def arun_agent_rollouts(
     shared = EngineBackend(engine, params, tokenizer, limits=limits, resolver=resolver)
     driver = shared.running()
     episodes = []
-    runs = _Runs(shared)
-    gateway = _Gateway(runs, chat)
-    _GATEWAY.set(gateway)
+    runs = Runs(shared)
+    gateway = Gateway(runs, chat)
+    CURRENT_GATEWAY.set(gateway)
 
     async def run(pi: int, g: int, record: dict) -> Any:
         ep = _Episode(pi, g, jax.random.fold_in(jax.random.fold_in(base, pi), g))

@@ -3,7 +3,6 @@ the batch split, and output folders."""
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import math
 import threading
@@ -17,6 +16,7 @@ import jax
 from jaxrl_tools import rewards, sharding, tools
 from jaxrl_tools.config import ConfigError, RunConfig
 from jaxrl_tools.config.checks import agent_function
+from jaxrl_tools.errors import reject_unknown_keys
 from jaxrl_tools.rollout import declares_tools
 
 WRITE_PROBE_TIMEOUT_S = 10.0
@@ -132,14 +132,7 @@ def check_rewards(cfg: RunConfig) -> None:
             for n, p in params.items()
             if n not in ("response", "ground_truth", "info") and p.kind is not p.VAR_POSITIONAL
         ]
-        for key in spec.kwargs:
-            if key not in valid:
-                hint = difflib.get_close_matches(str(key), valid, n=1)
-                extra = f" (did you mean {hint[0]!r}?)" if hint else ""
-                raise ConfigError(
-                    f"reward[{i}].kwargs has unknown key {key!r} for reward {spec.name!r}"
-                    f"{extra}; valid keys: {valid}"
-                )
+        reject_unknown_keys(spec.kwargs, valid, f"reward[{i}].kwargs", f"reward {spec.name!r}")
 
 
 def check_ground_truths(cfg: RunConfig, records: dict[str, Sequence[dict]]) -> None:

@@ -7,7 +7,7 @@ ValueError) and name the offending field (`algorithm.dual_clip_c must be > 1`). 
 overrides is `config_loader`; derived values are properties (`cfg.algorithm.uses_critic`).
 
 Modules: `checks` (ConfigError), `model` (model, tokenizer, data), `rollout` (rollout, tools,
-env), `training` (algorithm, reward, optim, critic, trainer, sft), `run` (RunConfig).
+env), `training` (algorithm, reward, optim, critic, sft), `trainer`, `run` (RunConfig).
 """
 
 from typing import TYPE_CHECKING
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         ToolSpec,
     )
     from jaxrl_tools.config.run import ADVANTAGE_INPUT_SOURCES, STEP_INPUTS, RunConfig
+    from jaxrl_tools.config.trainer import TrainerSection
     from jaxrl_tools.config.training import (
         AlgorithmSection,
         CriticSection,
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
         OptimSection,
         RewardSpec,
         SFTSection,
-        TrainerSection,
     )
 
 __all__ = [

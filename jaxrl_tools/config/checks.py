@@ -3,12 +3,11 @@ lowest floor)."""
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from jaxrl_tools.errors import ConfigError, import_object
+from jaxrl_tools.errors import ConfigError, did_you_mean, import_object
 
 
 def agent_function(spec: str) -> Any:
@@ -36,6 +35,6 @@ def _at_least(section_obj: Any, section: str, minimum: int, *fields: str) -> Non
 
 def _check_choice(value: Any, name: str, choices: Sequence[str]) -> None:
     if value not in choices:
-        hint = difflib.get_close_matches(str(value), choices, n=1)
-        extra = f" (did you mean {hint[0]!r}?)" if hint else ""
-        raise ConfigError(f"{name}={value!r} is not one of {list(choices)}{extra}")
+        raise ConfigError(
+            f"{name}={value!r} is not one of {list(choices)}{did_you_mean(value, choices)}"
+        )

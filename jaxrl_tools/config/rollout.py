@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import re
 from dataclasses import dataclass, field
@@ -10,6 +9,7 @@ from typing import Any
 
 from jaxrl_tools import envs, tools
 from jaxrl_tools.config.checks import ConfigError, _at_least, _check, _check_choice
+from jaxrl_tools.errors import reject_unknown_keys
 from jaxrl_tools.prompts import PLAIN_FORMAT
 from jaxrl_tools.shapes import next_pow2
 from jaxrl_tools.tools.executor import (
@@ -223,14 +223,8 @@ def _check_tool(spec: ToolSpec, where: str) -> None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
     valid = [n for n, p in params.items() if n != "self" and p.kind is not p.VAR_POSITIONAL]
-    for key in spec.config:
-        if key not in valid and key != "type":
-            hint = difflib.get_close_matches(str(key), valid, n=1)
-            extra = f" (did you mean {hint[0]!r}?)" if hint else ""
-            raise ConfigError(
-                f"{where}.config has unknown key {key!r} for tool {spec.cls!r}{extra}; "
-                f"valid keys: {valid}"
-            )
+    keys = [key for key in spec.config if key != "type"]  # verl's tool YAML names the type
+    reject_unknown_keys(keys, valid, f"{where}.config", f"tool {spec.cls!r}")
 
 
 ENV_HISTORY = ("full", "last_k", "state")
@@ -295,11 +289,4 @@ class EnvSection:
             "must be >= 2 tokens (or null)",
         )
         valid = envs.env_kwargs(self.name)
-        for key in self.kwargs:
-            if key not in valid:
-                hint = difflib.get_close_matches(str(key), valid, n=1)
-                extra = f" (did you mean {hint[0]!r}?)" if hint else ""
-                raise ConfigError(
-                    f"env.kwargs has unknown key {key!r} for environment {self.name!r}{extra}; "
-                    f"valid keys: {valid}"
-                )
+        reject_unknown_keys(self.kwargs, valid, "env.kwargs", f"environment {self.name!r}")

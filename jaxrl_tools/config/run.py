@@ -9,13 +9,13 @@ from jaxrl_tools import algorithms, rewards
 from jaxrl_tools.config.checks import ConfigError, _check, _check_choice
 from jaxrl_tools.config.model import DataSection, ModelSection, TokenizerSection
 from jaxrl_tools.config.rollout import EnvSection, RolloutSection, ToolSpec, _check_tool
+from jaxrl_tools.config.trainer import TrainerSection
 from jaxrl_tools.config.training import (
     AlgorithmSection,
     CriticSection,
     OptimSection,
     RewardSpec,
     SFTSection,
-    TrainerSection,
 )
 
 # What provides each advantage-estimator input beyond scores and the loss mask (the greedy

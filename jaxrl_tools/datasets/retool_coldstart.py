@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from jaxrl_tools.data import DataError
-from jaxrl_tools.datasets.prepare import read_rows, sha256, write_records
+from jaxrl_tools.datasets.files import read_rows, sha256, write_records
 from jaxrl_tools.rewards.answers import last_boxed, math_equal
 from jaxrl_tools.tools import PythonTool, get_parser
 

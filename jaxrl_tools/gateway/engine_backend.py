@@ -1,7 +1,7 @@
 """The gateway's `Backend` on the rollout engine: every request a sample of one open `Driver`.
 
 Requests decode together on the engine's slots, continuously batched, by the same driver the
-RL rollout runs (`rollout.loop.Driver`): a request is queued as a sample with its own sampling
+RL rollout runs (`rollout.driver.Driver`): a request is queued as a sample with its own sampling
 settings, stop strings, token limit and streaming callback, and when its segment ends the
 `RequestResolver` hands the `Completion` back to its caller. An engine error fails every
 request waiting on it (nothing hangs).
@@ -16,7 +16,8 @@ import numpy as np
 
 from jaxrl_tools.engine.sampling import SamplingParams
 from jaxrl_tools.gateway.backend import Completion, Generation, OnTokens
-from jaxrl_tools.rollout.loop import Driver, RolloutLimits
+from jaxrl_tools.rollout.driver import Driver
+from jaxrl_tools.rollout.limits import RolloutLimits
 from jaxrl_tools.rollout.resolver import Finish, Outcome, Sample, model_text
 from jaxrl_tools.types import Trajectory
 

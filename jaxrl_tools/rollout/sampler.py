@@ -110,19 +110,7 @@ class Sampler:
         self.engine, self.tokenizer, self.executor = engine, tokenizer, executor
         self.settings, self.system_prompt, self.seed = settings, system_prompt, seed
         self.episodes = episodes
-        self.limits = RolloutLimits(
-            max_response_tokens=settings.max_response_len,
-            max_tool_calls=settings.max_tool_calls,
-            max_turns=settings.max_turns,
-            max_turn_tokens=settings.max_turn_tokens,
-            over_budget=settings.over_budget,
-            budget_notice=settings.budget_notice,
-            invalid_action=settings.invalid_action,
-            invalid_notice=settings.invalid_notice,
-            max_obs_tokens=settings.max_obs_tokens,
-            chunk_size=settings.chunk_size,
-            max_parked=settings.max_parked,
-        )
+        self.limits = RolloutLimits.from_section(settings)
         if episodes is not None:
             self.limits = dataclasses.replace(
                 self.limits,

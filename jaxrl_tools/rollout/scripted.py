@@ -28,6 +28,7 @@ from typing import Any
 
 from jaxrl_tools import prompts
 from jaxrl_tools.config import ConfigError, RunConfig
+from jaxrl_tools.rollout.limits import RolloutLimits
 from jaxrl_tools.rollout.resolver import Finish, Resolver, Sample
 from jaxrl_tools.rollout.sampler import rollout_parser
 from jaxrl_tools.rollout.stops import scan_chunk
@@ -114,21 +115,12 @@ class ScriptedRun:
         self.final_stops = tuple(getattr(self.parser, "turn_stops", ()))
 
     def _resolver(self) -> Resolver:
-        r = self.cfg.rollout
-        return Resolver(
+        return RolloutLimits.from_section(self.cfg.rollout).resolver(
             tokenizer=self.tokenizer,
             parser=self.parser,
             executor=self.executor,
             env_format=None,
-            max_tool_calls=r.max_tool_calls,
-            max_turns=r.max_turns,
-            max_obs_tokens=r.max_obs_tokens,
-            max_response_tokens=r.max_response_len,
             ctx_limit=self.ctx_limit,
-            over_budget=r.over_budget,
-            budget_notice=r.budget_notice,
-            invalid_action=r.invalid_action,
-            invalid_notice=r.invalid_notice,
         )
 
     async def play(self, line: dict, index: int = 0) -> Trajectory:

@@ -32,7 +32,7 @@ from jaxrl_tools.engine.sampling import SamplingParams
 from jaxrl_tools.envs.episodes import Episodes, instructions, window_text
 from jaxrl_tools.rollout.loop import RolloutLimits, arun_rollouts
 from jaxrl_tools.rollout.resolver import step_environment
-from jaxrl_tools.types import Span, Trajectory
+from jaxrl_tools.types import Trajectory
 
 
 class _Episode:
@@ -42,16 +42,6 @@ class _Episode:
         self.traj, self.env, self.observation = traj, env, observation
         self.intro = instructions(env)
         self.earlier: list[tuple[str, str]] = []  # (observation, answer) of past turns
-
-    def add_turn(self, turn: Trajectory) -> None:
-        t = self.traj
-        t.turns.append(turn)
-        start = len(t.response_ids)
-        t.response_ids += turn.response_ids
-        t.loss_mask += turn.loss_mask
-        t.logprobs += turn.logprobs
-        t.versions += turn.versions
-        t.spans.append(Span("model", start, len(t.response_ids)))
 
 
 async def arun_windowed(
@@ -153,7 +143,7 @@ async def _step_episodes(
         turn.prompt_index, turn.sample_index = e.traj.prompt_index, e.traj.sample_index
         if not e.traj.prompt_ids:
             e.traj.prompt_ids = list(turn.prompt_ids)
-        e.add_turn(turn)
+        e.traj.add_turn(turn)
         ended = turn.finish_reason == "eos"
         # The environment gets the turn's text without its end token.
         texts.append(tokenizer.decode(turn.response_ids[:-1], skip_special_tokens=False))

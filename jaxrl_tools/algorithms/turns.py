@@ -38,9 +38,8 @@ f32 = jnp.float32
 def kevin(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[jax.Array, jax.Array]:
     """Kevin: discounted per-turn returns, group-normalised over all turns, on their tokens."""
     B, _ = check_inputs("kevin", inputs)
-    valid = inputs.step_mask_BS > 0
+    valid, R = _turn_returns(inputs, config.turn_gamma)
     S = valid.shape[1]
-    R = discounted_returns(inputs.step_rewards_BS, valid, config.turn_gamma)
     a = jnp.where(valid, R, 0.0)
     if config.turn_group_norm:
         group_rows(jnp.zeros((B,), f32), config.group_size, "kevin")  # G set and divides B
@@ -60,8 +59,7 @@ def kevin(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[jax.Array, 
             norm = norm / (std + config.eps)
         norm = jnp.where((hi == lo) & ~single, 0.0, norm)  # all-equal group: exactly 0
         a = jnp.where(v, norm, 0.0).reshape(B, S)
-    idx = jnp.clip(inputs.token_step_BT.astype(jnp.int32), 0, S - 1)
-    a_tok = jnp.take_along_axis(a, idx, axis=1) * inputs.loss_mask_BT.astype(f32)
+    a_tok = _on_turn_tokens(a, inputs)
     return a_tok, a_tok
 
 
@@ -79,15 +77,24 @@ def turn_rloo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[jax.Arr
     B, _ = check_inputs("turn_rloo", inputs)
     group_rows(jnp.zeros((B,), f32), config.group_size, "turn_rloo")  # G set and divides B
     G = config.group_size
-    valid = inputs.step_mask_BS > 0
+    valid, R = _turn_returns(inputs, config.step_gamma)
     S = valid.shape[1]
-    R = discounted_returns(inputs.step_rewards_BS, valid, config.step_gamma)
     r = jnp.where(valid, R, 0.0).reshape(B // G, G, S)
     n = valid.astype(f32).reshape(B // G, G, S)
     others_sum = jnp.sum(r, axis=1, keepdims=True) - r
     others_n = jnp.sum(n, axis=1, keepdims=True) - n
     baseline = others_sum / jnp.maximum(others_n, 1.0)  # 0 where no other episode reached t
-    a = jnp.where(n > 0, r - baseline, 0.0).reshape(B, S)
-    idx = jnp.clip(inputs.token_step_BT.astype(jnp.int32), 0, S - 1)
-    a_tok = jnp.take_along_axis(a, idx, axis=1) * inputs.loss_mask_BT.astype(f32)
+    a_tok = _on_turn_tokens(jnp.where(n > 0, r - baseline, 0.0).reshape(B, S), inputs)
     return a_tok, a_tok
+
+
+def _turn_returns(inputs: AdvantageInputs, gamma: float) -> tuple[jax.Array, jax.Array]:
+    """[B, S] real turns and their discounted returns R_t = r_t + γ·R_{t+1}."""
+    valid = inputs.step_mask_BS > 0
+    return valid, discounted_returns(inputs.step_rewards_BS, valid, gamma)
+
+
+def _on_turn_tokens(a_BS: jax.Array, inputs: AdvantageInputs) -> jax.Array:
+    """[B, T]: every model token of turn t gets its turn's advantage."""
+    idx = jnp.clip(inputs.token_step_BT.astype(jnp.int32), 0, a_BS.shape[1] - 1)
+    return jnp.take_along_axis(a_BS, idx, axis=1) * inputs.loss_mask_BT.astype(f32)

@@ -67,7 +67,24 @@ def med(xs):
 class OurGRPO:
     """jaxrl-tools on the standard workload: engine + rollout + RLTrainer."""
 
-    def __init__(self, asset_dir: str, prompts: list[str], *, chunk: int, micro: int, seed: int):
+    def __init__(
+        self,
+        asset_dir: str,
+        prompts: list[str] | list[list[int]],
+        *,
+        chunk: int,
+        micro: int,
+        seed: int,
+        prompts_per_step: int = P_PROMPTS,
+        group: int = G,
+        new_tokens: int = NEW_TOKENS,
+        stop_at_eos: bool = False,
+        lora_rank: int | None = None,
+    ):
+        """`prompts`: texts (the standard workload's, exactly PROMPT_TOKENS tokens each) or
+        token ids. `stop_at_eos`: responses end at the tokenizer's EOS (else every one has
+        `new_tokens`); `lora_rank`: LoRA adapters on every projection instead of full
+        fine-tuning."""
         import transformers
 
         from jaxrl_tools import models, rewards, run
@@ -79,34 +96,47 @@ class OurGRPO:
         if REWARD_NAME not in rewards.registered_rewards():
             rewards.register_reward(REWARD_NAME)(_parity_reward)
         self.tok = transformers.AutoTokenizer.from_pretrained(asset_dir)
-        self.prompt_ids = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        bad = [i for i, ids in enumerate(self.prompt_ids) if len(ids) != PROMPT_TOKENS]
-        if bad:
-            raise ValueError(f"prompts {bad[:5]} do not encode to {PROMPT_TOKENS} tokens")
+        self.P, self.G, self.new_tokens = prompts_per_step, group, new_tokens
+        self.eos = [self.tok.eos_token_id] if stop_at_eos else []
+        if isinstance(prompts[0], str):
+            self.prompt_ids = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+            bad = [i for i, ids in enumerate(self.prompt_ids) if len(ids) != PROMPT_TOKENS]
+            if bad:
+                raise ValueError(f"prompts {bad[:5]} do not encode to {PROMPT_TOKENS} tokens")
+        else:
+            self.prompt_ids = [list(p) for p in prompts]
+        prompt_len = max(len(p) for p in self.prompt_ids)
         self.model_cfg, params = models.from_pretrained(asset_dir)
-        n_slots = P_PROMPTS * G
+        n_slots = self.P * self.G
         self.engine = EngineCore(
             self.model_cfg,
             params,
             slots=n_slots,
-            max_len=PROMPT_TOKENS + NEW_TOKENS,
-            max_prefill_length=PROMPT_TOKENS,
+            max_len=prompt_len + new_tokens,
+            max_prefill_length=prompt_len,
             tokenizer=self.tok,
-            eos_token_ids=(),
+            eos_token_ids=self.eos,
             sampling=SamplingParams(temperature=1.0),
             seed=seed,
         )
-        self.limits = RolloutLimits(max_response_tokens=NEW_TOKENS, chunk_size=chunk)
+        self.limits = RolloutLimits(max_response_tokens=new_tokens, chunk_size=chunk)
         self.sampling = SamplingParams(temperature=1.0)
         cfg = config_from_dict(
             {
-                "model": {"path": asset_dir},
-                "data": {"batch_size": P_PROMPTS},
+                "model": {
+                    "path": asset_dir,
+                    "lora": {
+                        "enabled": lora_rank is not None,
+                        "rank": lora_rank or 8,
+                        "alpha": 2.0 * (lora_rank or 8),
+                    },
+                },  # fmt: skip
+                "data": {"batch_size": self.P},
                 "rollout": {
-                    "group_size": G,
+                    "group_size": self.G,
                     "temperature": 1.0,
-                    "max_prompt_len": PROMPT_TOKENS,
-                    "max_response_len": NEW_TOKENS,
+                    "max_prompt_len": prompt_len,
+                    "max_response_len": new_tokens,
                     "chunk_size": chunk,
                     "slots": n_slots,
                 },
@@ -150,33 +180,32 @@ class OurGRPO:
             limits=self.limits,
             sampling=self.sampling,
             rng=self.calls,
-            eos_token_ids=(),
+            eos_token_ids=self.eos,
             stats=stats,
         )
         self.calls += 1
+        tokens = [len(t.response_ids) for t in trajs]
         self.last = dict(
             generate_s=time.perf_counter() - t0,
             device_chunks_s=stats["generate_s"],
             chunks=stats["chunks"],
+            mean_tokens=sum(tokens) / len(tokens),
         )
-        lens = {len(t.response_ids) for t in trajs}
-        if lens != {NEW_TOKENS}:
-            raise RuntimeError(f"responses must have exactly {NEW_TOKENS} tokens, got {lens}")
+        if not self.eos and set(tokens) != {self.new_tokens}:
+            raise RuntimeError(f"responses must have exactly {self.new_tokens} tokens: {tokens}")
         return trajs
 
     def step(self, i: int) -> dict:
-        """One GRPO step on prompts [8i, 8i+8) (mod 256); returns its timings."""
-        n = len(self.prompt_ids)
-        records = [
-            {"prompt_ids": self.prompt_ids[(P_PROMPTS * i + j) % n]} for j in range(P_PROMPTS)
-        ]
+        """One GRPO step on prompts [Pi, Pi+P) (mod their count); returns its timings."""
+        n, P = len(self.prompt_ids), self.P
+        records = [{"prompt_ids": self.prompt_ids[(P * i + j) % n]} for j in range(P)]
         from jaxrl_tools.train.batch import make_batch
 
         t0 = time.perf_counter()
-        trajs = self._rollout(records, G, self.trainer.params)
+        trajs = self._rollout(records, self.G, self.trainer.params)
         batch = make_batch(
             records, trajs, self.reward, self.cfg.algorithm.filters,
-            group_size=G, rows=self.trainer.rows, pad_id=self.tok.pad_token_id,
+            group_size=self.G, rows=self.trainer.rows, pad_id=self.tok.pad_token_id,
         )  # fmt: skip
         m = self.trainer.step(batch)
         step_s = time.perf_counter() - t0
@@ -188,10 +217,11 @@ class OurGRPO:
             device_chunks_s=self.last["device_chunks_s"],
             update_s=m["time/update_s"],
             chunks=self.last["chunks"],
+            mean_tokens=self.last["mean_tokens"],
         )
 
     def decode(self, batch: int, greedy: bool, repeats: int) -> list[float]:
-        """tokens/s of `run_rollouts` over `batch` prompts x 64 tokens (after one warm-up)."""
+        """tokens/s of `run_rollouts` over `batch` prompts x `new_tokens` (after one warm-up)."""
         from jaxrl_tools.engine.sampling import GREEDY
         from jaxrl_tools.rollout import run_rollouts
 
@@ -210,9 +240,9 @@ class OurGRPO:
                 eos_token_ids=(),
             )
             dt = time.perf_counter() - t0
-            assert all(len(t.response_ids) == NEW_TOKENS for t in trajs)
+            assert all(len(t.response_ids) == self.new_tokens for t in trajs)
             if r > 0:
-                out.append(batch * NEW_TOKENS / dt)
+                out.append(batch * self.new_tokens / dt)
         return out
 
 

@@ -92,6 +92,7 @@ class OurGRPO:
         from jaxrl_tools.engine.core import EngineCore
         from jaxrl_tools.engine.sampling import SamplingParams
         from jaxrl_tools.rollout import RolloutLimits
+        from jaxrl_tools.shapes import next_pow2
 
         if REWARD_NAME not in rewards.registered_rewards():
             rewards.register_reward(REWARD_NAME)(_parity_reward)
@@ -105,7 +106,7 @@ class OurGRPO:
                 raise ValueError(f"prompts {bad[:5]} do not encode to {PROMPT_TOKENS} tokens")
         else:
             self.prompt_ids = [list(p) for p in prompts]
-        prompt_len = max(len(p) for p in self.prompt_ids)
+        prompt_len = next_pow2(max(len(p) for p in self.prompt_ids), 16)  # the engine's bucket
         self.model_cfg, params = models.from_pretrained(asset_dir)
         n_slots = self.P * self.G
         self.engine = EngineCore(

@@ -187,13 +187,14 @@ def our_decode(args) -> dict:
     from jaxrl_tools.engine.core import EngineCore
     from jaxrl_tools.engine.sampling import GREEDY, SamplingParams
     from jaxrl_tools.rollout import RolloutLimits, run_rollouts
+    from jaxrl_tools.shapes import next_pow2
 
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
     ids = [chat_ids(tok, q) for q in questions()]
     model_cfg, params = models.from_pretrained(args.model)
     out = {}
     for b in args.batches:
-        width = max(len(x) for x in ids[:b])
+        width = next_pow2(max(len(x) for x in ids[:b]), 16)  # the engine's prompt bucket
         engine = EngineCore(
             model_cfg, params, slots=b, max_len=width + NEW_TOKENS, max_prefill_length=width,
             tokenizer=tok, eos_token_ids=(),

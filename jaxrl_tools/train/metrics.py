@@ -275,7 +275,7 @@ def _draw(panels, runs: Mapping, path: Path, smooth: int = 1, title=None) -> Pat
                         label=line)  # fmt: skip
         if len(keys) > 1:
             ax.legend(title="level", fontsize="small")
-        elif len(runs) > 1 and i == 0:  # the runs' legend once
+        elif 1 < len(runs) <= 4 and i == 0:  # the runs' legend once
             ax.legend(fontsize="small")
         ax.set_title(name)
         ax.set_xlabel("step")
@@ -283,7 +283,11 @@ def _draw(panels, runs: Mapping, path: Path, smooth: int = 1, title=None) -> Pat
         ax.axis("off")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    right = 1.0
+    if len(runs) > 4 and all(len(keys) == 1 for _, keys in panels):  # many: beside the panels
+        fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="center right", fontsize="small")
+        right = 0.8
+    fig.tight_layout(rect=(0, 0, right, 1))
     fig.savefig(path, dpi=100)
     return path
 

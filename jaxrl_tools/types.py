@@ -71,8 +71,6 @@ class Trajectory:
       spans: model / observation turns in response coordinates.
       tool_calls: ToolCallRecord per call attempt (executed or not).
       num_tool_calls: calls actually executed.
-      invalid_actions: model turns with neither a call nor an answer (`rollout.invalid_action`:
-        each got the notice, or the last one ended the response).
       finish_reason: "eos" | "stop" | "length" | "budget" | "turns" | "done", or
         AGENT_TIMEOUT (an agent run cut at rollout.agent_timeout_s).
       env_rewards: rewards returned by the environment, one per env step.
@@ -98,6 +96,8 @@ class Trajectory:
         None: the recipe's reward scores the trajectory.
       versions: the policy version each model token was sampled with, in order (one per 1 of
         loss_mask), when rollouts run ahead of the update (`rollout.ahead`); empty otherwise.
+      invalid_actions: model turns with neither a call nor an answer (`rollout.invalid_action`:
+        each got the notice, or the last one ended the response).
     """
 
     prompt_index: int
@@ -109,7 +109,6 @@ class Trajectory:
     spans: list[Span] = dataclasses.field(default_factory=list)
     tool_calls: list[ToolCallRecord] = dataclasses.field(default_factory=list)
     num_tool_calls: int = 0
-    invalid_actions: int = 0
     finish_reason: str = ""
     env_rewards: list[float] = dataclasses.field(default_factory=list)
     env_states: list = dataclasses.field(default_factory=list)
@@ -121,6 +120,7 @@ class Trajectory:
     turns: list[Trajectory] | None = None
     agent_reward: float | None = None
     versions: list[int] = dataclasses.field(default_factory=list)
+    invalid_actions: int = 0  # last: the fields before it are also given by position
 
     @property
     def token_ids(self) -> list[int]:
